@@ -1,0 +1,1 @@
+"""The `iggy-edge` command line (typer), one module per command group."""

@@ -1,0 +1,34 @@
+"""`iggy-edge config ...`: validate configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import load_or_exit
+
+app = typer.Typer(help="Validate and inspect configuration.", no_args_is_help=True)
+
+
+@app.command("check")
+def check(
+    file: Annotated[Path, typer.Argument(help="Configuration file to validate.")],
+    show: Annotated[
+        bool, typer.Option("--show", help="Print the effective settings (secrets masked).")
+    ] = False,
+) -> None:
+    """Validate FILE; report every problem with its key and exit non-zero when there is one."""
+    settings = load_or_exit(file)
+    if show:
+        typer.echo(json.dumps(settings.model_dump(mode="json"), indent=2))
+    routes = ", ".join(f"{r.filter} -> {r.stream}/{r.topic}" for r in settings.routes)
+    typer.secho(f"{file}: ok", fg=typer.colors.GREEN)
+    typer.echo(f"  gateway {settings.gateway_id}, broker {settings.mqtt.host}:{settings.mqtt.port}")
+    where = f" {settings.iggy.address}" if settings.iggy.kind == "iggy" else ""
+    typer.echo(f"  uplink {settings.iggy.kind}{where}")
+    b = settings.buffer
+    typer.echo(f"  buffer {settings.buffer_path} ({b.overflow}, synchronous={b.synchronous})")
+    typer.echo(f"  routes: {routes}")

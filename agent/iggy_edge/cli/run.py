@@ -1,0 +1,47 @@
+"""`iggy-edge run`: the agent itself (what the systemd unit starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from ..config import Settings
+from ..logs import setup_logging
+from ..runtime import Agent, Component
+from ..uplink.factory import make_command_source, make_uplink
+from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+
+log = logging.getLogger("iggy_edge")
+
+# Components that run beside the stages (HTTP metrics/health, return path)
+# register themselves here; see runtime.Component.
+EXTRA_COMPONENTS: list[Component] = []
+
+
+def build_agent(settings: Settings) -> Agent:
+    return Agent(
+        settings,
+        uplink=make_uplink(settings),
+        command_source=make_command_source(settings),
+        components=tuple(EXTRA_COMPONENTS),
+    )
+
+
+async def run_agent(agent: Agent) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.stop)
+    try:
+        await agent.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
+    """Run the agent: MQTT in, SQLite store-and-forward, batched Iggy out. Stops cleanly on SIGTERM."""
+    settings = load_or_exit(config)
+    setup_logging(settings.logging.level, settings.logging.format)
+    log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
+    asyncio.run(run_agent(build_agent(settings)))

@@ -1,0 +1,145 @@
+"""Forward: outbox -> Iggy, in batches, deleting only what Iggy confirmed.
+
+One batch is in flight at a time and batches are read in outbox order, so
+per partition key the records reach Iggy in ingest order, across outages and
+restarts.  A batch is the oldest `batch_records` records (cut at
+`batch_bytes`); when fewer are waiting, the forwarder lingers up to
+`linger_ms` for more, so a trickle of telemetry still goes out in batches
+without adding more than the linger to its latency.
+
+Failures: `UplinkUnavailable` (nothing left the agent) and `UplinkRejected`
+are retried with capped, full-jitter exponential backoff; the records stay
+in the outbox meanwhile and ingest goes on.  `UplinkAmbiguous` (the request
+may have been stored) is retried the same way and the records it covers are
+counted in `iggy_edge_forward_ambiguous_retries_total`: those are the only
+source of duplicates in Iggy, and they carry the same message ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from .config import ForwardSettings
+from .ingest import backoff_delay
+from .logs import RateLimitedLog
+from .metrics import Metrics
+from .store import Outbox
+from .uplink.protocol import Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
+
+log = logging.getLogger(__name__)
+
+
+class Forwarder:
+    def __init__(self, outbox: Outbox, uplink: Uplink, settings: ForwardSettings, metrics: Metrics) -> None:
+        self._outbox = outbox
+        self._uplink = uplink
+        self._settings = settings
+        self._metrics = metrics
+        self._limited = RateLimitedLog(log)
+        self._stopping = asyncio.Event()
+        self._started = False
+        self._failures = 0
+        self.up = asyncio.Event()
+        self.down_since: float | None = None
+
+    def stop(self) -> None:
+        """Finish the batch in flight, then return from run()."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        while not self._stopping.is_set():
+            if not self._started and not await self._start_uplink():
+                continue
+            if not await self._outbox.wait_for_data(timeout=0.5):
+                continue
+            await self._linger()
+            batch = await self._outbox.read_batch(self._settings.batch_records, self._settings.batch_bytes)
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                await self._uplink.send(batch)
+            except UplinkError as e:
+                if e.confirmed:
+                    await self._account(await self._outbox.confirm(batch, e.confirmed), 0)
+                self._on_failure(e, len(batch) - len(e.confirmed))
+                await self._backoff()
+                continue
+            self._metrics.forward_send_seconds.observe(time.perf_counter() - started)
+            await self._account(await self._outbox.confirm(batch), 1)
+            self._on_success()
+
+    async def _start_uplink(self) -> bool:
+        try:
+            await self._uplink.start()
+        except UplinkError as e:
+            self._on_failure(e, 0)
+            await self._backoff()
+            return False
+        self._started = True
+        log.info("uplink started")
+        return True
+
+    async def _linger(self) -> None:
+        s = self._settings
+        if self._outbox.records >= s.batch_records or not s.linger_ms:
+            return
+        deadline = time.monotonic() + s.linger_ms / 1000
+        while self._outbox.records < s.batch_records and not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, 0.005))
+
+    async def _account(self, deleted: int, batches: int) -> None:
+        self._metrics.forwarded.inc(deleted)
+        self._metrics.forward_batches.inc(batches)
+
+    def _on_success(self) -> None:
+        if self._failures:
+            log.info(
+                "uplink is back after %d failed attempts (down %.1fs); draining %d records",
+                self._failures,
+                time.time() - (self.down_since or time.time()),
+                self._outbox.records,
+            )
+        self._failures = 0
+        self.down_since = None
+        self._metrics.uplink_up.set(1)
+        self._metrics.uplink_down_since.set(0)
+        self.up.set()
+
+    def _on_failure(self, e: UplinkError, unconfirmed: int) -> None:
+        kind = (
+            "ambiguous"
+            if isinstance(e, UplinkAmbiguous)
+            else "rejected"
+            if isinstance(e, UplinkRejected)
+            else "unavailable"
+        )
+        if isinstance(e, UplinkAmbiguous):
+            self._metrics.forward_ambiguous_retries.inc(unconfirmed)
+        self._metrics.forward_errors.labels(kind).inc()
+        self._failures += 1
+        if self.down_since is None:
+            self.down_since = time.time()
+            self._metrics.uplink_down_since.set(self.down_since)
+        self._metrics.uplink_up.set(0)
+        self.up.clear()
+        self._limited.warning(
+            f"uplink-{kind}",
+            "uplink %s: %s; %d records buffered, retrying with backoff",
+            kind,
+            e,
+            self._outbox.records,
+        )
+
+    async def _backoff(self) -> None:
+        delay = backoff_delay(
+            self._failures - 1, self._settings.backoff_initial_s, self._settings.backoff_max_s
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)

@@ -1,0 +1,182 @@
+"""Wires the stages together and owns their life cycle.
+
+One asyncio loop, one task group.  The stages are supervised: a stage that
+fails unexpectedly is logged with its traceback and restarted with backoff
+(this is the one place `except Exception` is allowed); an orderly stop
+(`Agent.stop()`, SIGTERM) stops ingest first so nothing new is acknowledged,
+lets the forwarder finish the batch in flight, commits what is pending and
+closes the database -- all within `shutdown_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .config import Settings
+from .forward import Forwarder
+from .ingest import Ingest, backoff_delay
+from .metrics import Metrics
+from .routing import Router
+from .store import Outbox
+from .uplink.protocol import CommandSource, Uplink
+
+log = logging.getLogger(__name__)
+
+HOUSEKEEPING_INTERVAL_S = 5.0
+EXPIRE_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class Health:
+    healthy: bool
+    ingest: str
+    store: str
+    uplink: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"healthy": self.healthy, "ingest": self.ingest, "store": self.store, "uplink": self.uplink}
+
+
+# Extra long-running components (return path, HTTP endpoint) register here:
+# each is called with the running Agent and returns a coroutine that runs
+# until cancelled.
+Component = Callable[["Agent"], Awaitable[None]]
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        uplink: Uplink | None = None,
+        command_source: CommandSource | None = None,
+        metrics: Metrics | None = None,
+        components: tuple[Component, ...] = (),
+        shutdown_timeout_s: float = 10.0,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.uplink = uplink
+        self.command_source = command_source
+        self.components = components
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.router = Router(settings.routes, settings.buffer.max_payload_bytes)
+        self.outbox: Outbox | None = None
+        self.ingest: Ingest | None = None
+        self.forwarder: Forwarder | None = None
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._store_ok = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def health(self) -> Health:
+        ingest = "up" if self.ingest is not None and self.ingest.connected.is_set() else "down"
+        store = "ok" if self._store_ok and self.outbox is not None else "failed"
+        if self.uplink is None or self.forwarder is None:
+            uplink = "none"
+            uplink_ok = True
+        elif self.forwarder.down_since is None:
+            uplink = "up" if self.forwarder.up.is_set() else "starting"
+            uplink_ok = True
+        else:
+            down_for = time.time() - self.forwarder.down_since
+            uplink = f"down for {down_for:.0f}s"
+            uplink_ok = down_for < self.settings.metrics.uplink_down_unhealthy_s
+        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink)
+
+    async def run(self) -> None:
+        s = self.settings
+        self.outbox = outbox = await Outbox.open(s.buffer_path, s.buffer, s.gateway_id, self.metrics)
+        outbox.start()
+        log.info(
+            "outbox %s: %d records buffered (%d bytes), synchronous=%s, overflow=%s",
+            s.buffer_path,
+            outbox.records,
+            outbox.bytes,
+            s.buffer.synchronous,
+            s.buffer.overflow,
+        )
+        self.ingest = ingest = Ingest(s, outbox, self.router, self.metrics)
+        if self.uplink is not None:
+            self.forwarder = Forwarder(outbox, self.uplink, s.forward, self.metrics)
+        else:
+            log.warning("no uplink configured (set IGGY_ADDRESS or [iggy] kind): records stay in the outbox")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                ingest_task = tg.create_task(self._supervise("ingest", ingest.run), name="ingest")
+                forward_task = None
+                if self.forwarder is not None:
+                    forward_task = tg.create_task(
+                        self._supervise("forward", self.forwarder.run), name="forward"
+                    )
+                others = [tg.create_task(self._supervise("housekeeping", self._housekeeping))]
+                for comp in self.components:
+                    name = getattr(comp, "__name__", "component")
+                    others.append(
+                        tg.create_task(self._supervise(name, lambda c=comp: c(self)), name=name)  # type: ignore[misc]
+                    )
+                self.ready.set()
+                await self._stop.wait()
+                await self._shutdown(ingest_task, forward_task, others)
+        finally:
+            await outbox.close()
+            if self.uplink is not None:
+                with contextlib.suppress(Exception):  # closing a broken connection must not mask the exit
+                    await self.uplink.close()
+            log.info("stopped; %d records remain buffered", outbox.records)
+
+    async def _shutdown(
+        self,
+        ingest_task: asyncio.Task[None],
+        forward_task: asyncio.Task[None] | None,
+        others: list[asyncio.Task[None]],
+    ) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        assert self.ingest is not None
+        log.info("stopping: ingest first, then the batch in flight")
+        await self.ingest.stop(drain_timeout=max(0.1, (deadline - time.monotonic()) / 2))
+        ingest_task.cancel()
+        if forward_task is not None and self.forwarder is not None:
+            self.forwarder.stop()
+            try:
+                await asyncio.wait_for(asyncio.shield(forward_task), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("forwarder did not finish its batch in time; it stays buffered")
+                forward_task.cancel()
+        for t in others:
+            t.cancel()
+
+    async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                await run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the supervisor: log, count, restart with backoff
+                log.exception("stage %s failed; restarting it", name)
+                if name == "ingest":
+                    self.metrics.mqtt_reconnects.inc()
+                attempt = 0 if time.monotonic() - started > 60 else attempt + 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), backoff_delay(attempt, 1.0, 30.0))
+            else:
+                return
+
+    async def _housekeeping(self) -> None:
+        assert self.outbox is not None
+        last_expire = 0.0
+        while True:
+            await self.outbox.refresh_age_gauge()
+            if time.monotonic() - last_expire >= EXPIRE_INTERVAL_S:
+                await self.outbox.expire()
+                last_expire = time.monotonic()
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
