@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,3 +19,11 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_iggy_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests see only the environment they set: an IGGY_* variable in the
+    developer's shell must not switch a test's uplink or broker."""
+    for var in [v for v in os.environ if v.startswith("IGGY_")]:
+        monkeypatch.delenv(var)

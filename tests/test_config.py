@@ -1,0 +1,241 @@
+"""Configuration: every problem reported with its dotted key, env overrides,
+credentials file, secrets never printed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from iggy_edge.cli.main import app
+from iggy_edge.config import ConfigError, load_config, parse_config
+from typer.testing import CliRunner
+
+MINIMAL = 'gateway_id = "gw-1"\n'
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def problem_keys(err: ConfigError) -> set[str]:
+    return {k for k, _ in err.problems}
+
+
+def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
+    s = load_config(write(tmp_path, MINIMAL), env={})
+    assert s.gateway_id == "gw-1"
+    assert s.mqtt_client_id == "iggy-edge-gw-1"
+    assert s.buffer_path == Path("/var/lib/iggy-edge/buffer.db")
+    assert s.iggy.kind == "none"
+    assert s.mqtt.session_expiry_s > 0  # a persistent session needs a non-zero expiry
+    assert s.buffer.synchronous == "full"
+    assert [r.topic for r in s.routes] == ["acks", "events", "telemetry"]
+
+
+def test_full_valid_config(tmp_path: Path) -> None:
+    cfg = write(
+        tmp_path,
+        """
+gateway_id = "plant-7_a"
+state_dir = "/tmp/x"
+[mqtt]
+host = "broker.local"
+port = 8883
+tls = true
+subscriptions = [{ filter = "site/+/up/#", qos = 1 }, { filter = "#", qos = 0 }]
+[iggy]
+kind = "iggy"
+address = "iggy.example:8090"
+[[routes]]
+filter = "site/+/up/#"
+stream = "plant"
+topic = "telemetry"
+key_level = 1
+[buffer]
+max_records = 10
+overflow = "reject_new"
+ttl_s = 0
+synchronous = "normal"
+[forward]
+batch_records = 5
+""",
+    )
+    s = load_config(cfg, env={})
+    assert s.mqtt.port == 8883
+    assert s.routes[0].stream == "plant"
+    assert s.buffer.overflow == "reject_new"
+    assert s.iggy.address == "iggy.example:8090"
+
+
+def test_every_problem_is_reported_with_its_dotted_key(tmp_path: Path) -> None:
+    cfg = write(
+        tmp_path,
+        """
+gateway_id = "has space"
+colour = "blue"
+[mqtt]
+port = 70000
+reconnect_min_s = 5
+reconnect_max_s = 1
+subscriptions = [{ filter = "a/#/b" }]
+[iggy]
+kind = "file"
+[[routes]]
+filter = "edge/+/up/#"
+stream = "bad name!"
+[[routes]]
+filter = "x/y"
+key_level = -1
+[buffer]
+overflow = "block"
+max_records = 0
+synchronous = "off"
+[forward]
+backoff_initial_s = 10
+backoff_max_s = 1
+""",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg, env={})
+    keys = problem_keys(info.value)
+    expected = {
+        "gateway_id",
+        "colour",
+        "mqtt.port",
+        "mqtt.subscriptions[0].filter",
+        "iggy",
+        "routes[0].stream",
+        "routes[1].key_level",
+        "buffer.overflow",
+        "buffer.max_records",
+        "buffer.synchronous",
+        "forward",
+    }
+    assert expected <= keys, keys
+    # cross-field checks name the fields in their message
+    msgs = dict(info.value.problems)
+    assert "file_path" in msgs["iggy"]
+    assert "backoff_max_s" in msgs["forward"]
+    assert msgs["colour"] == "unknown key (typo?)"
+    assert str(cfg) in str(info.value)
+
+
+def test_missing_gateway_id_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "[mqtt]\nport = 1883\n"), env={})
+    assert info.value.problems == [("gateway_id", "required key is missing")]
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "gateway_id = \n", "broken.toml"), env={})
+    assert info.value.problems[0][0] == "config"
+    assert "not valid TOML" in info.value.problems[0][1]
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "absent.toml", env={})
+    assert info.value.problems == [("config", "file not found")]
+
+
+def test_environment_overrides_the_file(tmp_path: Path) -> None:
+    cfg = write(tmp_path, MINIMAL + '[mqtt]\nhost = "file-host"\n[iggy]\nusername = "from-file"\n')
+    env = {
+        "IGGY_ADDRESS": "10.0.0.5:8090",
+        "IGGY_USERNAME": "edge-user",
+        "IGGY_PASSWORD": "s3cret-iggy",
+        "IGGY_TLS": "true",
+        "IGGY_TLS_DOMAIN": "iggy.example",
+        "IGGY_EDGE_MQTT_HOST": "env-host",
+        "IGGY_EDGE_MQTT_PORT": "1999",
+        "IGGY_EDGE_MQTT_USERNAME": "mq",
+        "IGGY_EDGE_MQTT_PASSWORD": "s3cret-mqtt",
+    }
+    s = load_config(cfg, env=env)
+    assert s.iggy.kind == "iggy"  # IGGY_ADDRESS switches the uplink on
+    assert s.iggy.address == "10.0.0.5:8090"
+    assert s.iggy.username == "edge-user"
+    assert s.iggy.password is not None
+    assert s.iggy.password.get_secret_value() == "s3cret-iggy"
+    assert s.iggy.tls is True
+    assert s.iggy.tls_domain == "iggy.example"
+    assert (s.mqtt.host, s.mqtt.port, s.mqtt.username) == ("env-host", 1999, "mq")
+    assert s.mqtt.password is not None
+    assert s.mqtt.password.get_secret_value() == "s3cret-mqtt"
+    assert load_config(cfg, env={"IGGY_TLS": "0"}).iggy.tls is False
+
+
+def test_bad_environment_value_is_reported_with_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            write(tmp_path, MINIMAL), env={"IGGY_EDGE_MQTT_PORT": "not-a-port", "IGGY_ADDRESS": "nohost"}
+        )
+    assert {"mqtt.port", "iggy"} <= problem_keys(info.value)
+
+
+def test_credentials_file_fills_secrets(tmp_path: Path) -> None:
+    cred = write(
+        tmp_path,
+        '[mqtt]\nusername = "dev"\npassword = "mq-pass"\n[iggy]\npassword = "ig-pass"\n',
+        "creds.toml",
+    )
+    cred.chmod(0o600)
+    s = load_config(write(tmp_path, 'credentials_file = "creds.toml"\n' + MINIMAL), env={})
+    assert s.mqtt.username == "dev"
+    assert s.mqtt.password is not None
+    assert s.mqtt.password.get_secret_value() == "mq-pass"
+    assert s.iggy.password is not None
+    assert s.iggy.password.get_secret_value() == "ig-pass"
+    # the environment still wins over the credentials file
+    s = load_config(tmp_path / "cfg.toml", env={"IGGY_PASSWORD": "env-pass"})
+    assert s.iggy.password is not None
+    assert s.iggy.password.get_secret_value() == "env-pass"
+
+
+def test_credentials_file_problems(tmp_path: Path) -> None:
+    write(tmp_path, '[mqtt]\ntoken = "x"\n[other]\npassword = "y"\n', "creds.toml")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, 'credentials_file = "creds.toml"\n' + MINIMAL), env={})
+    assert problem_keys(info.value) == {"credentials_file.mqtt.token", "credentials_file.other"}
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, 'credentials_file = "nope.toml"\n' + MINIMAL), env={})
+    assert info.value.problems == [("credentials_file", "file not found")]
+
+
+def test_secrets_are_masked_in_repr(tmp_path: Path) -> None:
+    s = parse_config({"gateway_id": "g", "iggy": {"password": "hunter2"}}, env={})
+    assert "hunter2" not in repr(s)
+    assert "hunter2" not in str(s.model_dump())
+
+
+# -- the CLI ------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_config_check_ok_exits_0(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["config", "check", str(write(tmp_path, MINIMAL))], env={})
+    assert result.exit_code == 0, result.output
+    assert "ok" in result.stdout
+    assert "gateway gw-1" in result.stdout
+
+
+def test_config_check_bad_exits_2_with_keys_on_stderr(tmp_path: Path) -> None:
+    cfg = write(tmp_path, 'gateway_id = "g"\n[mqtt]\nport = 0\n[buffer]\noverflow = "x"\n')
+    result = runner.invoke(app, ["config", "check", str(cfg)], env={})
+    assert result.exit_code == 2
+    assert "mqtt.port" in result.stderr
+    assert "buffer.overflow" in result.stderr
+    assert "ok" not in result.stdout
+
+
+def test_config_check_show_never_prints_secrets(tmp_path: Path) -> None:
+    write(tmp_path, '[iggy]\npassword = "cred-file-secret"\n', "creds.toml")
+    cfg = write(tmp_path, 'credentials_file = "creds.toml"\n' + MINIMAL)
+    env = {"IGGY_EDGE_MQTT_USERNAME": "u", "IGGY_EDGE_MQTT_PASSWORD": "env-mqtt-secret"}
+    result = runner.invoke(app, ["config", "check", "--show", str(cfg)], env=env)
+    assert result.exit_code == 0, result.output
+    assert "cred-file-secret" not in result.output
+    assert "env-mqtt-secret" not in result.output
+    shown = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    assert shown["iggy"]["password"] == "**********"
+    assert shown["mqtt"]["password"] == "**********"
+    assert shown["mqtt"]["username"] == "u"
