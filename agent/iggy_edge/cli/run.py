@@ -7,8 +7,10 @@ import logging
 import signal
 
 from ..config import Settings
+from ..httpd import http_endpoint
 from ..logs import setup_logging
 from ..runtime import Agent, Component
+from ..systemd import systemd_notify
 from ..uplink.factory import make_command_source, make_uplink
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
@@ -16,7 +18,7 @@ log = logging.getLogger("iggy_edge")
 
 # Components that run beside the stages (HTTP metrics/health, return path)
 # register themselves here; see runtime.Component.
-EXTRA_COMPONENTS: list[Component] = []
+EXTRA_COMPONENTS: list[Component] = [http_endpoint, systemd_notify]
 
 
 def build_agent(settings: Settings) -> Agent:
@@ -42,6 +44,7 @@ async def run_agent(agent: Agent) -> None:
 def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     """Run the agent: MQTT in, SQLite store-and-forward, batched Iggy out. Stops cleanly on SIGTERM."""
     settings = load_or_exit(config)
-    setup_logging(settings.logging.level, settings.logging.format)
+    secrets = [p.get_secret_value() for p in (settings.mqtt.password, settings.iggy.password) if p]
+    setup_logging(settings.logging.level, settings.logging.format, secrets)
     log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
     asyncio.run(run_agent(build_agent(settings)))
