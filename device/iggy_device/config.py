@@ -1,0 +1,82 @@
+# Device configuration: ``config.json`` (template, safe to commit) overlaid
+# by ``config.local.json`` (secrets, git-ignored, written by provisioning or by
+# hand).  Validated once at boot into plain attributes; the rest of the
+# library never sees the dicts.  Pure: json + fsutil.
+import json
+
+from . import fsutil
+
+DEFAULTS = {
+    "device_id": None,
+    "broker": None,
+    "port": 1883,
+    "user": None,
+    "password": None,
+    "keepalive": 60,
+    "clean_session": False,  # broker keeps commands queued while we sleep
+    "wifi_ssid": None,
+    "wifi_password": None,
+    "wifi_timeout_ms": 15000,
+    "ntp": True,
+    "topic_prefix": "edge",
+    "data_dir": "data",
+    "ring_bytes": 32768,
+    "segment_bytes": 2048,
+    "cursor_every": 8,
+    "seq_block": 64,
+    "backoff_base_ms": 1000,
+    "backoff_max_ms": 60000,
+    "socket_timeout_s": 10,
+    "drain_per_poll": 32,
+    "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
+    "period_ms": 10000,
+    "cycles": 0,  # 0 = run forever; tests and the bench set a count
+    "deep_sleep": False,
+    "awake_ms": 2000,  # deep-sleep mode: how long to listen for commands
+    "upload_every": 1,  # deep-sleep mode: connect every n-th wake
+    "log": 1,
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Config:
+    def __init__(self, values):
+        merged = dict(DEFAULTS)
+        for k in values:
+            if k not in DEFAULTS and k != "app":  # "app": the example's own settings
+                raise ConfigError("unknown config key: " + k)
+            merged[k] = values[k]
+        for k in ("device_id", "broker"):
+            v = merged[k]
+            if not isinstance(v, str) or not v or "/" in v or "+" in v or "#" in v:
+                raise ConfigError(k + " must be a non-empty string without / + #")
+        for k in ("port", "keepalive", "ring_bytes", "segment_bytes", "seq_block",
+                  "backoff_base_ms", "backoff_max_ms", "period_ms", "cycles", "wdt_ms",
+                  "wifi_timeout_ms", "drain_per_poll", "awake_ms", "upload_every",
+                  "cursor_every", "socket_timeout_s"):
+            if not isinstance(merged[k], int) or merged[k] < 0:
+                raise ConfigError(k + " must be a non-negative integer")
+        for k in merged:
+            setattr(self, k, merged[k])
+        self.app = merged.get("app") or {}
+
+
+def load(path="config.json", local="config.local.json"):
+    values = {}
+    for p in (path, local):
+        raw = fsutil.read(p)
+        if raw is None:
+            continue
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise ConfigError(p + " is not valid JSON")
+        if not isinstance(doc, dict):
+            raise ConfigError(p + " must hold a JSON object")
+        values.update(doc)
+    if not values:
+        raise ConfigError("no " + path + " found")
+    return Config(values)

@@ -1,0 +1,108 @@
+# The thin hardware layer: everything that touches ``machine``, ``network``
+# or the RTC lives here, so the rest of the library is pure logic and the
+# tests can put small stand-ins for these two modules on the path.
+import gc
+import time
+
+import machine
+import network
+
+_EPOCH_2000 = 946684800  # ports whose time() counts from 2000
+_CLOCK_VALID = 1672531200  # 2023-01-01: anything earlier means "not set"
+
+
+class Hardware:
+    def __init__(self, wdt_ms=0, log=None):
+        self._wdt = machine.WDT(timeout=wdt_ms) if wdt_ms else None
+        self._wlan = None
+        self._log = log or _nolog
+        self._epoch_offset = _EPOCH_2000 if time.gmtime(0)[0] == 2000 else 0
+
+    # -- watchdog ------------------------------------------------------------
+    def feed(self):
+        if self._wdt is not None:
+            self._wdt.feed()
+
+    # -- WiFi ----------------------------------------------------------------
+    def wifi_connected(self):
+        return self._wlan is not None and self._wlan.isconnected()
+
+    def wifi_connect(self, ssid, password, timeout_ms):
+        """Start a connection and wait for it, feeding the watchdog; False on
+        timeout (the caller backs off and tries again later)."""
+        if self._wlan is None:
+            self._wlan = network.WLAN(network.STA_IF)
+        wlan = self._wlan
+        wlan.active(True)
+        if wlan.isconnected():
+            return True
+        try:
+            wlan.disconnect()  # a stale attempt makes connect() raise on ESP32
+        except OSError:
+            pass
+        wlan.connect(ssid, password)
+        t0 = time.ticks_ms()
+        while not wlan.isconnected():
+            if time.ticks_diff(time.ticks_ms(), t0) > timeout_ms:
+                self._log("wifi: no link after", timeout_ms, "ms, status", wlan.status())
+                return False
+            self.feed()
+            time.sleep_ms(100)
+        return True
+
+    def wifi_off(self):
+        if self._wlan is not None:
+            self._wlan.active(False)
+
+    # -- clock -----------------------------------------------------------------
+    def unix_time(self):
+        """Seconds since 1970, or None while the clock is not set."""
+        t = int(time.time()) + self._epoch_offset
+        return t if t >= _CLOCK_VALID else None
+
+    def sync_clock(self):
+        try:
+            import ntptime
+        except ImportError:
+            return False
+        try:
+            ntptime.settime()
+            return True
+        except (OSError, OverflowError, IndexError) as e:
+            self._log("ntp:", repr(e))
+            return False
+
+    # -- power -----------------------------------------------------------------
+    def reset_cause(self):
+        cause = machine.reset_cause()
+        for name in ("PWRON_RESET", "HARD_RESET", "WDT_RESET", "DEEPSLEEP_RESET", "SOFT_RESET"):
+            if getattr(machine, name, None) == cause:
+                return name[:-6].lower()
+        return str(cause)
+
+    def woke_from_deepsleep(self):
+        return machine.reset_cause() == getattr(machine, "DEEPSLEEP_RESET", -1)
+
+    def deepsleep(self, ms):
+        self.wifi_off()
+        machine.deepsleep(ms)
+
+    def rtc_load(self):
+        try:
+            return bytes(machine.RTC().memory())
+        except (AttributeError, OSError):
+            return b""
+
+    def rtc_save(self, data):
+        try:
+            machine.RTC().memory(data)
+        except (AttributeError, OSError):
+            pass
+
+    def heap(self):
+        gc.collect()
+        return gc.mem_free(), gc.mem_alloc()
+
+
+def _nolog(*args):
+    pass

@@ -1,0 +1,460 @@
+# Device: WiFi + MQTT session, telemetry with persisted sequence numbers,
+# the offline ring buffer, commands with acks, retained config, duty cycle.
+#
+# Built on umqtt.simple only (micropython-lib).  umqtt.robust adds nothing we
+# need (we own reconnect and backoff here) and its PyPI sdist cannot even be
+# unpacked by pip because it contains a symlink.
+#
+# Message flow, one loop, no threads:
+# - ``publish()`` numbers a reading and sends it directly when connected and
+#   nothing is buffered; otherwise (or when the send fails) it goes to the
+#   ring buffer in flash, so order is kept: the ring drains oldest first
+#   before anything new is sent directly.
+# - umqtt calls ``_on_msg`` from inside ``check_msg()`` and, during a QoS1
+#   publish, from inside the wait for PUBACK.  Publishing from that callback
+#   would nest a second PUBACK wait and swallow the first, so the callback only
+#   queues; ``poll()`` handles the queue afterwards.
+# - Commands: run once per id (recent ids persisted with their ack), ack on
+#   up/ack through the same buffered path as telemetry, so an ack survives a
+#   lost connection too.
+import gc
+import json
+import time
+
+from umqtt.simple import MQTTClient, MQTTException
+
+from . import codec
+from .backoff import Backoff
+from .dedupe import RecentCommands
+from .ring import Ring
+from .seq import Sequence
+from . import fsutil
+
+# umqtt signals a dead connection in several ways: OSError from the socket,
+# MQTTException for a refused CONNECT, IndexError when a read returns b"",
+# AssertionError on an unexpected packet.
+NET_ERRORS = (OSError, MQTTException, IndexError, AssertionError)
+
+_INBOX_MAX = 16
+_RTC_MAGIC = "ie1"
+
+
+class _Wire:
+    """The socket as umqtt sees it, with two fixes:
+
+    - umqtt's wait_msg() calls setblocking(True), which on MicroPython clears
+      any timeout: a half-open TCP connection would then block a QoS1 publish
+      forever.  Here "blocking" means "blocking with a timeout".
+    - umqtt writes one MQTT packet in four or five small writes.  With
+      Nagle's algorithm on both ends each QoS1 publish then waits for a
+      delayed ACK (about 40 ms on Linux brokers: 20 publishes a second).  The
+      writes are gathered here and sent as one segment when umqtt turns to
+      reading (or closes), which also saves lwIP buffers on the ESP32.
+    """
+
+    def __init__(self, sock, timeout_s, size=384):
+        self._s = sock
+        self._t = timeout_s
+        self._buf = bytearray(size)
+        self._n = 0
+        sock.settimeout(timeout_s)
+
+    def write(self, buf, n=None):
+        if isinstance(buf, str):
+            buf = buf.encode()
+        if n is None:
+            n = len(buf)
+        if self._n + n > len(self._buf):
+            self.flush()
+            if n > len(self._buf):
+                self._s.write(memoryview(buf)[:n])
+                return n
+        self._buf[self._n : self._n + n] = memoryview(buf)[:n]
+        self._n += n
+        return n
+
+    def flush(self):
+        if self._n:
+            n = self._n
+            self._n = 0
+            self._s.write(memoryview(self._buf)[:n])
+
+    def read(self, n):
+        self.flush()
+        return self._s.read(n)
+
+    def setblocking(self, flag):
+        self.flush()  # while still blocking-with-timeout: never a short write
+        self._s.settimeout(self._t if flag else 0)
+
+    def close(self):
+        try:
+            self.flush()
+        finally:
+            self._s.close()
+
+
+class Device:
+    def __init__(self, cfg, hw=None):
+        self.cfg = cfg
+        self._log_level = cfg.log
+        if hw is None:
+            from .hw import Hardware
+
+            hw = Hardware(cfg.wdt_ms, self.log)
+        self.hw = hw
+        d = cfg.data_dir
+        fsutil.makedirs(d)
+        self.ring = Ring(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, cfg.cursor_every)
+        self.seq = Sequence(d + "/seq", cfg.seq_block)
+        self.recent = RecentCommands(d + "/cmds")
+        self.wake = self._load_rtc()  # state kept in RTC memory across deep sleep
+        if hw.woke_from_deepsleep() and "seq" in self.wake:
+            self.seq.resume(self.wake["seq"])
+        self.reset_cause = hw.reset_cause()
+        self.backoff = Backoff(cfg.backoff_base_ms, cfg.backoff_max_ms)
+        self._client = None
+        self._next_try = time.ticks_ms()
+        self._last_tx = self._next_try
+        self._inbox = []
+        self._handlers = {}
+        self._config_cb = None
+        self._reported_dropped = -1
+        self._prefix = cfg.topic_prefix
+        dev = cfg.device_id
+        self._t_status = codec.topic(self._prefix, dev, "status")
+        self._t_cmd = codec.topic(self._prefix, dev, "down", "cmd")
+        self._t_config = codec.topic(self._prefix, dev, "down", "config")
+        self._b_cmd = self._t_cmd.encode()
+        self._b_config = self._t_config.encode()
+        self._up = {}
+        self._config_path = d + "/desired.json"
+        self._config_raw = fsutil.read(self._config_path)
+        self.stats = {"connects": 0, "conn_failures": 0, "sent": 0, "buffered": 0,
+                      "commands": 0, "duplicates": 0, "bad_messages": 0, "inbox_full": 0}
+
+    # -- application API --------------------------------------------------------
+    def command(self, name):
+        """Decorator: ``@dev.command("set_relay") def f(args): return result``.
+        Raise to ack "error" with the exception text."""
+
+        def register(fn):
+            self._handlers[name] = fn
+            return fn
+
+        return register
+
+    def on_config(self, fn):
+        """``fn(desired: dict)`` applies retained desired config.  It runs at
+        boot with the persisted copy, and again when a different one
+        arrives; it is persisted only after ``fn`` returned."""
+        self._config_cb = fn
+        if self._config_raw:
+            try:
+                fn(codec.parse_config(self._config_raw))
+            except ValueError as e:
+                self.log("config: persisted copy unusable:", repr(e))
+        return fn
+
+    def publish(self, channel, reading):
+        """Number ``reading`` (a dict) and send or buffer it; returns seq."""
+        codec.check_channel(channel)
+        n = self.seq.next()
+        self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading))
+        return n
+
+    def poll(self):
+        """One service step: connect when due, handle incoming messages,
+        drain the buffer, keep the session alive.  Never blocks longer than a
+        connection attempt."""
+        self.hw.feed()
+        if self._client is None and not self._connect_if_due():
+            return False
+        try:
+            for _ in range(_INBOX_MAX):
+                if self._client is None:
+                    break
+                if self._client.check_msg() is None and not self._inbox:
+                    break
+                self._handle_inbox()
+            self._handle_inbox()
+            self._drain(self.cfg.drain_per_poll)
+            self._report_drops()
+            c = self._client
+            if c is not None and time.ticks_diff(time.ticks_ms(), self._last_tx) > self.cfg.keepalive * 500:
+                c.ping()
+                self._last_tx = time.ticks_ms()
+        except NET_ERRORS as e:
+            self._lost(e)
+        return self._client is not None
+
+    def wait(self, ms, step_ms=100):
+        """Sleep ``ms`` while servicing the connection and the watchdog."""
+        t0 = time.ticks_ms()
+        while True:
+            self.poll()
+            left = ms - time.ticks_diff(time.ticks_ms(), t0)
+            if left <= 0:
+                return
+            time.sleep_ms(left if left < step_ms else step_ms)
+
+    def run(self, read, channel="telemetry", period_ms=None, cycles=None):
+        """The usual sensor loop: every ``period_ms`` call ``read()`` (a dict
+        or None) and publish it.  ``cycles`` > 0 stops after that many."""
+        limit = self.cfg.cycles if cycles is None else cycles
+        n = 0
+        while True:
+            t0 = time.ticks_ms()
+            reading = read()
+            if reading is not None:
+                self.publish(channel, reading)
+            self.poll()
+            n += 1
+            if limit and n >= limit:
+                return n
+            # re-read each cycle: a config callback may change the period
+            period = self.cfg.period_ms if period_ms is None else period_ms
+            left = period - time.ticks_diff(time.ticks_ms(), t0)
+            if left > 0:
+                self.wait(left)
+
+    def connected(self):
+        return self._client is not None
+
+    def connect(self):
+        """Try to connect now (ignoring the backoff schedule); True when up."""
+        self._next_try = time.ticks_ms()
+        return self._connect_if_due()
+
+    def flush(self, budget_ms=5000):
+        """Send what is buffered, within ``budget_ms``; True when empty."""
+        t0 = time.ticks_ms()
+        while len(self.ring) and time.ticks_diff(time.ticks_ms(), t0) < budget_ms:
+            if not self.poll():
+                break
+        return not len(self.ring)
+
+    def sleep(self, ms):
+        """Duty cycle: deep sleep when configured (the process/board restarts
+        afterwards; everything needed survives in flash and RTC memory),
+        otherwise a serviced wait."""
+        if not self.cfg.deep_sleep:
+            self.wait(ms)
+            return
+        self.shutdown()
+        self.hw.deepsleep(ms)
+
+    def shutdown(self):
+        """Persist cursors and state, publish ``offline`` and disconnect."""
+        self.ring.flush()
+        self.wake["seq"] = self.seq.peek()
+        self._save_rtc()
+        if self._client is not None:
+            try:
+                self._client.publish(self._t_status, b"offline", True, 1)
+                self._client.disconnect()
+            except NET_ERRORS:
+                pass
+            self._client = None
+
+    def diag(self):
+        free, alloc = self.hw.heap()
+        d = self.ring.stats()
+        d["heap_free"] = free
+        d["heap_alloc"] = alloc
+        d["reset"] = self.reset_cause
+        for k in self.stats:
+            d[k] = self.stats[k]
+        return d
+
+    def log(self, *args):
+        if self._log_level:
+            print("[iggy]", *args)
+
+    # -- sending ------------------------------------------------------------------
+    def _topic_up(self, channel):
+        t = self._up.get(channel)
+        if t is None:
+            t = codec.topic(self._prefix, self.cfg.device_id, "up", channel)
+            self._up[channel] = t
+        return t
+
+    def _send(self, channel, payload):
+        if self._client is not None and not len(self.ring):
+            try:
+                self._pub(channel, payload)
+                return
+            except NET_ERRORS as e:
+                self._lost(e)
+        lost = self.ring.append(channel, payload)
+        self.stats["buffered"] += 1
+        if lost:
+            self.log("buffer full: dropped", lost, "oldest readings, total", self.ring.dropped)
+
+    def _pub(self, channel, payload):
+        c = self._client
+        if c.pid >= 65535:
+            c.pid = 0  # umqtt never wraps; packet id 0 is invalid in MQTT
+        c.publish(self._topic_up(channel), payload, False, 1)
+        self._last_tx = time.ticks_ms()
+        self.stats["sent"] += 1
+
+    def _drain(self, limit):
+        n = 0
+        while n < limit and self._client is not None:
+            rec = self.ring.peek()
+            if rec is None:
+                return
+            self._pub(rec[0], rec[1])
+            self.ring.pop()
+            self.hw.feed()
+            n += 1
+        # keep the loop responsive; the rest goes on the next poll
+
+    def _report_drops(self):
+        dropped = self.ring.dropped
+        if dropped != self._reported_dropped and self._client is not None:
+            # every new session and every change of the drop count
+            self._reported_dropped = dropped
+            self.publish("diag", self.diag())
+
+    # -- connection -----------------------------------------------------------------
+    def _connect_if_due(self):
+        now = time.ticks_ms()
+        if time.ticks_diff(now, self._next_try) < 0:
+            return False
+        cfg = self.cfg
+        stage = "wifi"
+        try:
+            if not self.hw.wifi_connected():
+                if not self.hw.wifi_connect(cfg.wifi_ssid, cfg.wifi_password, cfg.wifi_timeout_ms):
+                    raise OSError("wifi: no link")
+                if cfg.ntp and self.hw.unix_time() is None:
+                    self.hw.sync_clock()
+            stage = "mqtt"
+            c = MQTTClient(cfg.device_id, cfg.broker, cfg.port, cfg.user, cfg.password, cfg.keepalive)
+            c.set_callback(self._on_msg)
+            c.set_last_will(self._t_status, b"offline", True, 1)
+            try:
+                c.connect(cfg.clean_session)
+                c.sock = _Wire(c.sock, cfg.socket_timeout_s)
+                c.publish(self._t_status, b"online", True, 1)
+                c.subscribe(self._t_cmd, 1)
+                c.subscribe(self._t_config, 1)
+            except NET_ERRORS:
+                _close(c)
+                raise
+        except NET_ERRORS as e:
+            self.stats["conn_failures"] += 1
+            delay = self.backoff.next_ms()
+            self._next_try = time.ticks_add(time.ticks_ms(), delay)
+            self.log(stage, "connect failed:", repr(e), "retry in", delay, "ms")
+            return False
+        self._client = c
+        self._last_tx = time.ticks_ms()
+        self.backoff.reset()
+        self.stats["connects"] += 1
+        self._reported_dropped = -1  # announce ourselves with a diag message
+        self.log("connected to", cfg.broker, "buffered", len(self.ring))
+        return True
+
+    def _lost(self, err):
+        self.log("connection lost:", repr(err))
+        _close(self._client)
+        self._client = None
+        self.ring.flush()
+        delay = self.backoff.next_ms()
+        self._next_try = time.ticks_add(time.ticks_ms(), delay)
+
+    # -- incoming -----------------------------------------------------------------
+    def _on_msg(self, topic, msg):
+        # runs inside umqtt's read loop: queue only, never publish here
+        if len(self._inbox) >= _INBOX_MAX:
+            self.stats["inbox_full"] += 1
+            return
+        self._inbox.append((topic, msg))
+
+    def _handle_inbox(self):
+        while self._inbox:
+            topic, msg = self._inbox.pop(0)
+            if topic == self._b_cmd:
+                self._handle_command(msg)
+            elif topic == self._b_config:
+                self._handle_config(msg)
+            gc.collect()
+
+    def _handle_command(self, raw):
+        try:
+            cid, name, args, exp = codec.parse_command(raw)
+        except codec.CommandError as e:
+            self.stats["bad_messages"] += 1
+            self.log("bad command:", e.reason)
+            if e.cid is not None:
+                self._ack(e.cid, codec.encode_ack(e.cid, codec.ACK_ERROR, error=e.reason), None)
+            return
+        prior = self.recent.get(cid)
+        if prior is not None:
+            # redelivered: acknowledge again, do not run again
+            self.stats["duplicates"] += 1
+            self._send("ack", prior)
+            return
+        self.stats["commands"] += 1
+        fn = self._handlers.get(name)
+        if codec.is_expired(exp, self.hw.unix_time()):
+            ack = codec.encode_ack(cid, codec.ACK_EXPIRED, error="expired")
+        elif fn is None:
+            ack = codec.encode_ack(cid, codec.ACK_UNKNOWN, error=name)
+        else:
+            try:
+                ack = codec.encode_ack(cid, codec.ACK_OK, result=fn(args))
+            except Exception as e:  # noqa: BLE001 - the handler boundary: any failure becomes an "error" ack
+                ack = codec.encode_ack(cid, codec.ACK_ERROR, error=repr(e))
+        self._ack(cid, ack, codec.encode_ack(cid, codec.ACK_OK, result="(result too long to keep)"))
+
+    def _ack(self, cid, ack, short):
+        self.recent.put(cid, ack, short)
+        self._send("ack", ack)
+
+    def _handle_config(self, raw):
+        if raw == self._config_raw:
+            return  # the retained copy we already applied (every reconnect)
+        try:
+            desired = codec.parse_config(raw)
+        except ValueError as e:
+            self.stats["bad_messages"] += 1
+            self.log("bad config:", repr(e))
+            return
+        if desired is None:
+            return
+        if self._config_cb is not None:
+            try:
+                self._config_cb(desired)
+            except Exception as e:  # noqa: BLE001 - application callback boundary
+                self.log("config callback failed:", repr(e))
+                return
+        fsutil.write_atomic(self._config_path, raw)
+        self._config_raw = raw
+        self.log("config applied")
+
+    # -- RTC memory ---------------------------------------------------------------
+    def _load_rtc(self):
+        raw = self.hw.rtc_load()
+        if raw:
+            try:
+                doc = json.loads(raw)
+                if isinstance(doc, dict) and doc.get("m") == _RTC_MAGIC:
+                    return doc
+            except ValueError:
+                pass
+        return {"m": _RTC_MAGIC}
+
+    def _save_rtc(self):
+        self.hw.rtc_save(json.dumps(self.wake).encode())
+
+
+def _close(client):
+    if client is not None and client.sock is not None:
+        try:
+            client.sock.close()
+        except OSError:
+            pass

