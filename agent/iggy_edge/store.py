@@ -430,9 +430,15 @@ class Outbox:
                 )
             )
             add_bytes += _accounted(len(it.payload), it.mqtt_topic)
+        rejected = trimmed = 0
+        if s.overflow == "drop_oldest":
+            # a group bigger than the whole bound: its own oldest rows go too
+            while rows and (len(rows) > s.max_records or add_bytes > s.max_bytes):
+                row = rows.pop(0)
+                add_bytes -= _accounted(len(row[6]), row[2])
+                trimmed += 1
         over_records = self.records + len(rows) - s.max_records
         over_bytes = self.bytes + add_bytes - s.max_bytes
-        rejected = 0
         if (over_records > 0 or over_bytes > 0) and s.overflow == "reject_new":
             # keep the oldest; refuse the newest rows that do not fit
             while rows and (self.records + len(rows) > s.max_records or self.bytes + add_bytes > s.max_bytes):
@@ -447,8 +453,8 @@ class Outbox:
                 freed_records, freed_bytes = await self._drop_oldest(max(over_records, 0), max(over_bytes, 0))
             if rejected:
                 await self._count_drop("buffer_full_rejected", rejected)
-            if freed_records:
-                await self._count_drop("buffer_full_oldest", freed_records)
+            if freed_records + trimmed:
+                await self._count_drop("buffer_full_oldest", freed_records + trimmed)
             recent: list[tuple[str, int, int, int]] = []
             if rows:
                 await self._conn.executemany(
@@ -483,14 +489,14 @@ class Outbox:
         self.records += len(rows) - freed_records
         self.bytes += add_bytes - freed_bytes
         self._metrics.store_committed.inc(len(rows))
-        if freed_records:
-            self._metrics.dropped.labels("buffer_full_oldest").inc(freed_records)
+        if freed_records + trimmed:
+            self._metrics.dropped.labels("buffer_full_oldest").inc(freed_records + trimmed)
             self._limited.warning(
                 "drop_oldest",
                 "outbox full (%d records, %d bytes): dropped the %d oldest records (policy drop_oldest)",
                 self.records,
                 self.bytes,
-                freed_records,
+                freed_records + trimmed,
             )
         if rejected:
             self._metrics.dropped.labels("buffer_full_rejected").inc(rejected)
@@ -517,17 +523,23 @@ class Outbox:
         bytes are freed (inside the caller's transaction)."""
         freed_r = freed_b = 0
         while freed_r < records or freed_b < nbytes:
-            want = max(records - freed_r, 64)
+            # Look at the oldest rows in chunks, delete exactly the prefix that
+            # frees enough (no more: every extra row would be data lost for nothing).
             async with self._conn.execute(
-                "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT ?)"
-                " RETURNING length(payload) + length(mqtt_topic)",
-                (want,),
+                "SELECT seq, length(payload) + length(mqtt_topic) FROM outbox ORDER BY seq LIMIT ?",
+                (max(records - freed_r, 64),),
             ) as cur:
-                sizes = list(await cur.fetchall())
-            if not sizes:
+                oldest = list(await cur.fetchall())
+            if not oldest:
                 break
-            freed_r += len(sizes)
-            freed_b += sum(int(x[0]) for x in sizes) + ROW_OVERHEAD * len(sizes)
+            last = oldest[-1][0]
+            for seq, size in oldest:
+                freed_r += 1
+                freed_b += int(size) + ROW_OVERHEAD
+                if freed_r >= records and freed_b >= nbytes:
+                    last = seq
+                    break
+            await self._conn.execute("DELETE FROM outbox WHERE seq <= ?", (last,))
         return freed_r, freed_b
 
     # -- dead letters -----------------------------------------------------
