@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.broker import Broker, mosquitto_binary
+from tests.support.iggy_server import iggy_server  # noqa: F401 -- fixture, see the module
 
 
 @pytest.fixture

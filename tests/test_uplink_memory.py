@@ -2,10 +2,20 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 
 import pytest
+from iggy_edge.config import Settings, parse_config
 from iggy_edge.records import OutboundRecord, make_message_id
-from iggy_edge.uplink.memory import MemoryIggy
+from iggy_edge.uplink.factory import make_command_source, make_uplink
+from iggy_edge.uplink.file import FileUplink
+from iggy_edge.uplink.iggy import IggyCommandSource, IggyUplink
+from iggy_edge.uplink.memory import (
+    MemoryCommandSource,
+    MemoryIggy,
+    MemoryUplink,
+    set_shared_memory_iggy,
+)
 from iggy_edge.uplink.partition import (
     KeyPartitioner,
     partition_for,
@@ -200,3 +210,41 @@ async def test_million_records_fast_enough() -> None:
     assert iggy.count() == 1_000_000
     rate = 1_000_000 / elapsed
     assert rate > 500_000, f"{rate:.0f} records/s"
+
+
+def _settings(tmp_path: Path, **iggy: object) -> Settings:
+    raw = {"gateway_id": "gw1", "state_dir": str(tmp_path), "iggy": iggy}
+    return parse_config(raw, env={})
+
+
+async def test_factory_chooses_by_kind(tmp_path: Path) -> None:
+    assert make_uplink(_settings(tmp_path)) is None  # default kind "none"
+    assert make_command_source(_settings(tmp_path)) is None
+
+    file_settings = _settings(tmp_path, kind="file", file_path=str(tmp_path / "u.jsonl"))
+    up = make_uplink(file_settings)
+    assert isinstance(up, FileUplink)
+    assert make_command_source(file_settings) is None
+
+    shared = MemoryIggy()
+    set_shared_memory_iggy(shared)
+    try:
+        mem = _settings(tmp_path, kind="memory")
+        mup = make_uplink(mem)
+        src = make_command_source(mem)
+        assert isinstance(mup, MemoryUplink)
+        assert isinstance(src, MemoryCommandSource)
+        await mup.send([rec(1, "a")])
+        assert shared.count() == 1  # both views share the process-wide store
+        shared.publish("edge", "commands", 0, b"go")
+        assert [m.payload for m in await src.poll("edge", "commands", 0, 0, 10)] == [b"go"]
+        assert src.consumer_name == "iggy-edge-gw1"
+    finally:
+        set_shared_memory_iggy(None)
+
+    real = _settings(tmp_path, kind="iggy", address="127.0.0.1:8090")
+    iup = make_uplink(real)
+    assert isinstance(iup, IggyUplink)
+    isrc = make_command_source(real)
+    assert isinstance(isrc, IggyCommandSource)
+    assert isrc.consumer_name == "iggy-edge-gw1"

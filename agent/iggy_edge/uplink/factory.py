@@ -1,0 +1,54 @@
+"""Choose the uplink and the command source from settings (``[iggy] kind``).
+
+=========  ======================================  ==============================
+kind       uplink                                  command source
+=========  ======================================  ==============================
+"iggy"     IggyUplink (real server)                IggyCommandSource (own client)
+"file"     FileUplink(``file_path``)               None (a file has no return path)
+"memory"   the process-wide MemoryIggy's uplink    the same MemoryIggy's source
+"none"     None (records stay in the outbox)       None
+=========  ======================================  ==============================
+
+``memory`` has to be asked for explicitly (it is never a fallback): it keeps
+everything in this process's memory and loses it at exit.  Both views share
+`shared_memory_iggy()`, so a test or the demo can publish commands to the
+agent and inspect what it forwarded.
+"""
+
+from __future__ import annotations
+
+from ..config import Settings
+from .file import FileUplink
+from .iggy import IggyCommandSource, IggyUplink
+from .memory import shared_memory_iggy
+from .protocol import CommandSource, Uplink
+
+
+def consumer_name(settings: Settings) -> str:
+    """Name under which the gateway's command offsets are kept on the server."""
+    return f"iggy-edge-{settings.gateway_id}"
+
+
+def make_uplink(settings: Settings) -> Uplink | None:
+    iggy = settings.iggy
+    if iggy.kind == "iggy":
+        topics = [(r.stream, r.topic) for r in settings.routes]
+        return IggyUplink(iggy, settings.gateway_id, topics=topics)
+    if iggy.kind == "file":
+        if iggy.file_path is None:  # config validation requires it; keep mypy honest
+            raise ValueError("iggy.file_path is required when kind = 'file'")
+        return FileUplink(iggy.file_path, partitions=iggy.partitions)
+    if iggy.kind == "memory":
+        return shared_memory_iggy().uplink()
+    return None
+
+
+def make_command_source(settings: Settings) -> CommandSource | None:
+    iggy = settings.iggy
+    if not settings.downlink.enabled:
+        return None
+    if iggy.kind == "iggy":
+        return IggyCommandSource(iggy, settings.gateway_id, consumer_name(settings))
+    if iggy.kind == "memory":
+        return shared_memory_iggy().command_source(consumer_name(settings))
+    return None
