@@ -2,7 +2,8 @@
 
 The server binary comes from PATH (build it from apache/iggy, tag
 server-0.9.0-edge.5: ``cargo build --release -p server --bin iggy-server``;
-it needs libhwloc-dev, then copy target/release/iggy-server onto PATH).  When
+it links against hwloc and udev, so install libhwloc-dev and libudev-dev first;
+then copy target/release/iggy-server onto PATH).  When
 it is missing, the `iggy_server` fixture skips the test with a reason.
 
 Configuration is by environment (the server reads ``IGGY_`` variables over
@@ -15,6 +16,7 @@ IGGY_SYSTEM_PATH                       the test's temporary data directory
 IGGY_ROOT_USERNAME / IGGY_ROOT_PASSWORD   root credentials on first start
 IGGY_SYSTEM_SHARDING_CPU_ALLOCATION    1 shard (the default takes every core)
 IGGY_SYSTEM_SHARDING_PIN_CORES         false
+IGGY_SYSTEM_MEMORY_POOL_SIZE           512 MiB (the minimum)
 =====================================  =====================================
 
 `IggyServer.stop()` / `start()` keep the data directory, so a test can take
@@ -78,6 +80,7 @@ class IggyServer:
                 "IGGY_SYSTEM_SHARDING_CPU_ALLOCATION": "1",
                 "IGGY_SYSTEM_SHARDING_PIN_CORES": "false",
                 "IGGY_TELEMETRY_ENABLED": "false",
+                "IGGY_SYSTEM_MEMORY_POOL_SIZE": "512 MiB",  # the minimum; default 4 GiB
             }
         )
         return env

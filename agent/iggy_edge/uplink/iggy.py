@@ -1,7 +1,9 @@
 """Uplink, command source and command sink over the apache-iggy SDK (0.9).
 
-Facts about SDK 0.9 / server 0.9 this module is built on (checked against
-the SDK source and a real server, see tests/test_uplink_iggy.py):
+Facts about SDK 0.9 / server 0.9 this module is built on, read from the SDK
+and server sources (tag server-0.9.0-edge.5).  tests/test_uplink_iggy.py holds
+the real-server tests that check them; they skip when `iggy-server` is not on
+PATH, and as of this writing they have not run against a server yet:
 
 Connection
     We build a `TcpConfig` rather than a connection string: the string form
