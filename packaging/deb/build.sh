@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Build the iggy-edge Debian package:
+#
+#   packaging/deb/build.sh [--arch amd64|arm64] [--python "3.11 3.13"] [--out DIR]
+#
+# -> DIR/iggy-edge_<version>_<arch>.deb  (DIR defaults to dist/)
+#
+# How the package carries the agent: the .deb holds the agent's wheel and
+# every dependency as wheels for the *target* architecture (downloaded here
+# with `pip download --platform ... --only-binary :all:`, so an amd64 machine
+# builds the arm64 package: every dependency is a wheel or pure Python), and
+# postinst creates /opt/iggy-edge/venv from them with the target's own
+# python3, offline (`pip install --no-index`).  A venv cannot be built here
+# and moved: its scripts and pyvenv.cfg hold absolute paths and the host's
+# interpreter.  Wheels are bundled for each --python version (default: 3.11
+# for Debian 12 / Raspberry Pi OS bookworm, 3.13 for Debian 13 trixie), so
+# `dpkg-reconfigure iggy-edge` rebuilds the venv after a Python upgrade.
+#
+# Needs: python3 with pip, dpkg-deb; network access to PyPI (or a pip mirror
+# configured the usual way).  Runs as any user (files are owned by root in
+# the package via --root-owner-group).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+pythons="3.11 3.13"
+out="$repo/dist"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --arch) arch=$2; shift 2 ;;
+    --python) pythons=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$arch" in
+  amd64) machine=x86_64 ;;
+  arm64) machine=aarch64 ;;
+  *) echo "build.sh: --arch must be amd64 or arm64, got $arch" >&2; exit 2 ;;
+esac
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x "$repo/.venv/bin/python" ]; then PY="$repo/.venv/bin/python"; else PY=python3; fi
+fi
+version=$("$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
+  "$repo/pyproject.toml")
+pkg="iggy-edge_${version}_${arch}"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+root="$work/root"
+wheels="$root/opt/iggy-edge/wheels"
+mkdir -p "$wheels"
+
+echo "build.sh: iggy-edge $version for $arch (Python $pythons)"
+# The agent itself: a pure-Python wheel.
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$work/self" "$repo"
+self_wheel=$(ls "$work"/self/iggy_edge-*.whl)
+cp "$self_wheel" "$wheels/"
+
+# Dependencies as wheels for the target: every manylinux tag glibc 2.36
+# (Debian 12) can run.
+platforms=(--platform "manylinux2014_$machine")
+for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_$machine"); done
+for pyver in $pythons; do
+  "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
+    --python-version "$pyver" "${platforms[@]}" -d "$wheels" "$self_wheel"
+done
+echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
+
+# Files the package installs.
+install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
+install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
+install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
+install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
+install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
+mkdir -p "$root/usr/bin"
+ln -s /opt/iggy-edge/venv/bin/iggy-edge "$root/usr/bin/iggy-edge"
+
+# Control files.
+mkdir -p "$root/DEBIAN"
+installed_kb=$(du -sk --exclude=DEBIAN "$root" | cut -f1)
+installed_kb=$((installed_kb + 60000))  # the venv postinst unpacks next to the wheels
+sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@INSTALLED_SIZE@/$installed_kb/" \
+  "$here/control.in" > "$root/DEBIAN/control"
+printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf > "$root/DEBIAN/conffiles"
+for script in postinst prerm postrm; do
+  sed -e "s/@VERSION@/$version/" "$here/$script" > "$root/DEBIAN/$script"
+  chmod 0755 "$root/DEBIAN/$script"
+done
+
+mkdir -p "$out"
+dpkg-deb --root-owner-group -Zxz --build "$root" "$out/$pkg.deb" >/dev/null
+echo "build.sh: wrote $out/$pkg.deb ($(du -h "$out/$pkg.deb" | cut -f1))"
