@@ -20,9 +20,10 @@ DROP_REASONS: Final = (
     "ttl_expired",
     "qos0_queue_full",
 )
-DEAD_LETTER_REASONS: Final = ("oversize", "unroutable", "invalid_topic", "invalid_command")
+DEAD_LETTER_REASONS: Final = ("oversize", "unroutable", "invalid_topic", "empty_payload", "invalid_command")
 FORWARD_ERROR_KINDS: Final = ("unavailable", "ambiguous", "rejected")
 COMMAND_STATES: Final = ("received", "delivered", "acked", "expired", "failed")
+DOWNLINK_ERROR_KINDS: Final = ("poll", "mirror", "deliver", "ack_queue_full")
 
 
 class Metrics:
@@ -102,6 +103,16 @@ class Metrics:
         self.inbox_records = Gauge(
             "iggy_edge_downlink_inbox_records", "Commands waiting for delivery", registry=r
         )
+        self.downlink_inbox_full = Counter(
+            "iggy_edge_downlink_inbox_full",
+            "Command polls skipped because the inbox was full (the commands stay in Iggy)",
+            registry=r,
+        )
+        self.downlink_errors = Counter(
+            "iggy_edge_downlink_errors", "Return-path failures", ["kind"], registry=r
+        )
+        for kind in DOWNLINK_ERROR_KINDS:
+            self.downlink_errors.labels(kind)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         for reason in DEAD_LETTER_REASONS:

@@ -15,7 +15,8 @@ from typing import Final
 from .config import RouteSettings
 from .records import Route
 
-MAX_TOPIC_BYTES: Final = 1024
+# The MQTT topic travels as an Iggy header value, which Iggy caps at 255 bytes.
+MAX_TOPIC_BYTES: Final = 255
 CACHE_LIMIT: Final = 4096
 
 
@@ -25,6 +26,7 @@ class DeadLetterReason(StrEnum):
     OVERSIZE = "oversize"
     UNROUTABLE = "unroutable"
     INVALID_TOPIC = "invalid_topic"
+    EMPTY_PAYLOAD = "empty_payload"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ class Router:
         self._cache: dict[str, Route | Rejected] = {}
 
     def route(self, topic: str | bytes, payload_size: int) -> Route | Rejected:
+        if payload_size == 0:
+            # Iggy refuses empty messages; MQTT uses them to clear retained topics.
+            return Rejected(DeadLetterReason.EMPTY_PAYLOAD, "empty payload (Iggy cannot store it)")
         if payload_size > self._max_payload:
             return Rejected(
                 DeadLetterReason.OVERSIZE,
