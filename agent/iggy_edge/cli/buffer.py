@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import base64
+import datetime
 import json
+import sys
+import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..store import StoreError, read_stats
+from ..routing import Router
+from ..store import (
+    StoreError,
+    count_rows,
+    exclusive,
+    iter_records,
+    read_dead_letters,
+    read_stats,
+    replay_dead_letters,
+)
+from ..store import purge as store_purge
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
 app = typer.Typer(help="Inspect the store-and-forward buffer.", no_args_is_help=True)
@@ -46,3 +63,234 @@ def stats(
     )
     drops = ", ".join(f"{k}: {v}" for k, v in sorted(st.drops_by_reason.items()) if v)
     typer.echo(f"dropped       {drops or 'none'}")
+
+
+# -- peek, export, purge, dead letters (ops) -----------------------------------
+
+LimitOption = Annotated[int, typer.Option("--limit", "-n", min=1, help="How many records.")]
+YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
+def _progress() -> Progress:
+    """Progress on stderr, so stdout stays clean for data (export to a pipe)."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+
+
+def _short(payload: bytes, width: int = 60) -> str:
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "0x" + payload[: width // 2].hex()
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+@app.command("peek")
+def peek(
+    config: ConfigOption = DEFAULT_CONFIG,
+    limit: LimitOption = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines, as export writes them.")] = False,
+) -> None:
+    """Show the oldest records in the outbox (the next ones to be forwarded)."""
+    settings = load_or_exit(config)
+    try:
+        records = list(iter_records(settings.buffer_path, limit=limit))
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    if as_json:
+        for r in records:
+            typer.echo(json.dumps(r.as_json()))
+        return
+    if not records:
+        typer.echo("outbox is empty")
+        return
+    now = time.time()
+    for r in records:
+        age = max(0.0, now - r.received_us / 1e6)
+        typer.echo(
+            f"#{r.seq:<8} {age:8.1f}s ago  {r.stream}/{r.topic} key={r.key}  "
+            f"{r.mqtt_topic} qos{r.qos}  {len(r.payload)}B  {_short(r.payload)}"
+        )
+
+
+@app.command("export")
+def export(
+    config: ConfigOption = DEFAULT_CONFIG,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="File to write (default: standard output).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, help="At most this many.")] = None,
+) -> None:
+    """Write the outbox as JSON lines (oldest first), e.g. to rescue data before a purge.
+
+    Each line has seq, stream, topic, key, mqtt_topic, qos, retain, received_us,
+    device_seq and the payload as text (`payload`) or base64 (`payload_b64`).
+    Safe while the agent runs (a consistent read per page; records forwarded
+    meanwhile may or may not appear).
+    """
+    settings = load_or_exit(config)
+    path = settings.buffer_path
+    try:
+        total = count_rows(path, "outbox")
+        if limit is not None:
+            total = min(total, limit)
+        out = output.open("w", encoding="utf-8") if output is not None else sys.stdout
+        written = 0
+        try:
+            with _progress() as bar:
+                task = bar.add_task("exporting", total=total)
+                for r in iter_records(path, limit=limit):
+                    out.write(json.dumps(r.as_json()) + "\n")
+                    written += 1
+                    if written % 500 == 0:
+                        bar.update(task, completed=min(written, total))
+                bar.update(task, completed=written, total=max(total, written))
+        finally:
+            if output is not None:
+                out.close()
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"cannot write {output}: {e}") from None
+    typer.echo(f"exported {written} records" + (f" to {output}" if output else ""), err=True)
+
+
+@app.command("purge")
+def purge_cmd(
+    config: ConfigOption = DEFAULT_CONFIG,
+    yes: YesOption = False,
+    dead_letters: Annotated[
+        bool, typer.Option("--dead-letters", help="Delete the dead letters too.")
+    ] = False,
+) -> None:
+    """Delete every record waiting in the outbox (they will never reach Iggy).
+
+    Needs the agent stopped (systemctl stop iggy-edge): the command takes the
+    buffer exclusively and refuses while another process has it open; an agent
+    started meanwhile fails to open the buffer until the purge is done.
+    Consider `buffer export` first.  Purged records are counted in `buffer stats`
+    under dropped: purged.
+    """
+    settings = load_or_exit(config)
+    path = settings.buffer_path
+    try:
+        records = count_rows(path, "outbox")
+        dead = count_rows(path, "dead_letters") if dead_letters else 0
+        with exclusive(path) as conn:
+            what = f"{records} records" + (f" and {dead} dead letters" if dead_letters else "")
+            if not yes and not typer.confirm(f"Delete {what} from {path}? They cannot be recovered."):
+                raise _fail("nothing deleted", 1)
+            with _progress() as bar:
+                task = bar.add_task("purging", total=records)
+                deleted, dead_deleted = store_purge(
+                    conn, dead_letters=dead_letters, progress=lambda n: bar.advance(task, n)
+                )
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"purged {deleted} records" + (f" and {dead_deleted} dead letters" if dead_letters else ""))
+
+
+dead_app = typer.Typer(
+    help="Messages that could not be routed (list, or replay after fixing a route).",
+    invoke_without_command=True,
+)
+app.add_typer(dead_app, name="dead-letters")
+
+
+@dead_app.callback()
+def dead_letters_list(
+    ctx: typer.Context,
+    config: ConfigOption = DEFAULT_CONFIG,
+    limit: LimitOption = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines.")] = False,
+) -> None:
+    """List the newest dead letters with their reason (default action)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    settings = load_or_exit(config)
+    try:
+        letters = read_dead_letters(settings.buffer_path, limit)
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    if as_json:
+        for d in letters:
+            typer.echo(
+                json.dumps(
+                    {
+                        "id": d.id,
+                        "received_us": d.received_us,
+                        "mqtt_topic": d.mqtt_topic.decode("utf-8", "replace"),
+                        "qos": d.qos,
+                        "retain": d.retain,
+                        "reason": d.reason,
+                        "detail": d.detail,
+                        "payload_size": d.payload_size,
+                        "payload_b64": base64.b64encode(d.payload).decode("ascii"),
+                    }
+                )
+            )
+        return
+    if not letters:
+        typer.echo("no dead letters")
+        return
+    for d in letters:
+        when = datetime.datetime.fromtimestamp(d.received_us / 1e6).isoformat(timespec="seconds")
+        typer.echo(
+            f"#{d.id:<6} {when}  {d.reason:<14} {d.mqtt_topic.decode('utf-8', 'replace')!r}  "
+            f"{d.payload_size}B  {d.detail}"
+        )
+
+
+@dead_app.command("replay")
+def dead_letters_replay(config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = False) -> None:
+    """Route the dead letters again with the current [[routes]] and move those that
+    now route into the outbox (original receive time and order); the rest stay.
+
+    Fix the route in the config first; needs the agent stopped (like purge).
+    """
+    settings = load_or_exit(config)
+    path = settings.buffer_path
+    router = Router(settings.routes, settings.buffer.max_payload_bytes)
+    try:
+        total = count_rows(path, "dead_letters")
+        if total == 0:
+            typer.echo("no dead letters")
+            return
+        with exclusive(path) as conn:
+            if not yes and not typer.confirm(
+                f"Route {total} dead letters again with the routes in {config}?"
+            ):
+                raise _fail("nothing replayed", 1)
+            with _progress() as bar:
+                task = bar.add_task("replaying", total=total)
+                result = replay_dead_letters(
+                    conn, router, settings.buffer, progress=lambda n: bar.advance(task, n)
+                )
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"replayed {result.replayed} dead letters into the outbox")
+    for reason, n in sorted(result.still_dead.items()):
+        advice = {
+            "unroutable": "no [[routes]] filter matches their topic",
+            "oversize": "larger than buffer.max_payload_bytes",
+            "truncated": "payload was cut when dead-lettered; cannot be replayed",
+            "invalid_topic": "topic is not valid UTF-8 / has wildcards",
+        }.get(reason, "")
+        typer.echo(f"  still dead: {n} {reason}" + (f" ({advice})" if advice else ""))
+    if result.no_room:
+        typer.secho(
+            f"  {result.no_room} not replayed: the outbox is at its bounds (buffer.max_records/max_bytes)",
+            fg=typer.colors.YELLOW,
+        )
