@@ -83,6 +83,7 @@ def main():
         p = desired.get("period_ms")
         if isinstance(p, int) and p >= 100:
             cfg.period_ms = p
+            dev.log("config: period_ms ->", p)
 
     n = dev.run(read, "env")
     # only reached when config "cycles" limits the run (tests, bench)

@@ -6,6 +6,8 @@
 #   _hw_pins.log   every write to an output pin: "<pin> <value>"
 #   _hw_sleeps.log every deepsleep(ms) call
 #   _hw_adc.txt    optional: the raw value ADC.read_u16() returns
+# ruff: noqa: SIM105, RUF005, UP031 - MicroPython code: no contextlib on the Unix port
+import os
 import sys
 import time
 
@@ -33,8 +35,6 @@ def _write(name, text, mode="w"):
 
 
 def _remove(name):
-    import os
-
     try:
         os.remove(name)
     except OSError:
