@@ -47,6 +47,7 @@ import secrets
 import sqlite3
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,7 +261,10 @@ class Outbox:
         self._closed = False
         self._committer: asyncio.Task[None] | None = None
         self._failure: StoreError | None = None
-        self._recent: dict[tuple[str, int, int], None] = {}  # insertion-ordered, bounded
+        # Insertion-ordered and bounded.  An OrderedDict because trimming a plain
+        # dict from the front with next(iter(d)) rescans its deleted slots: that
+        # was 10 us per record at 20k entries, the largest cost in _insert.
+        self._recent: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         self._recent_count = 0
         self.records = 0
         self.bytes = 0
@@ -483,7 +487,7 @@ class Outbox:
             for topic, dseq, crc, _ in recent:
                 self._recent[(topic, dseq, crc)] = None
             while len(self._recent) > RECENT_WINDOW:
-                del self._recent[next(iter(self._recent))]
+                self._recent.popitem(last=False)
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 await self._conn.execute("ROLLBACK")
