@@ -60,6 +60,13 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def local_url(listen: str) -> str:
+    """The URL a local client uses to reach an endpoint bound to `listen`."""
+    host, port = parse_listen(listen)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a client address
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class _AgentCollector:
     """Figures that only exist at scrape time: build info, start time, health."""
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import buffer, config_cmd, demo, run
+from . import buffer, config_cmd, demo, doctor, run, service, status
 
 app = typer.Typer(
     name="iggy-edge",
@@ -36,3 +36,6 @@ app.command("run")(run.run)
 app.command("demo")(demo.demo)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(buffer.app, name="buffer")
+app.command("status")(status.status)
+app.command("doctor")(doctor.doctor)
+app.add_typer(service.app, name="service")

@@ -1,0 +1,438 @@
+"""`iggy-edge doctor`: check everything the agent depends on and say what to fix.
+
+Checks, each bounded in time and independent of the others:
+
+* config      the file parses and validates (with the service's secrets from
+              /etc/iggy-edge/env when readable, as systemd would pass them)
+* clock       the system time is plausible (a Pi without RTC boots in 1970
+              until NTP syncs; message times and TTLs depend on it) and NTP
+              synchronisation where systemd-timesyncd reports it
+* disk        the buffer's file system has room for buffer.max_bytes
+* broker      TCP reachability, then an MQTT CONNECT with the configured
+              credentials under a separate client id (never the agent's: that
+              would take over its persistent session)
+* iggy        reachability, login, the topics the routes need and the user's
+              permissions to send / create / poll (kind = "iggy" only)
+* agent       whether a running agent answers on its health endpoint
+
+Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import gmqtt
+import typer
+from gmqtt.mqtt.constants import MQTTv50
+from gmqtt.mqtt.handler import MQTTConnectError
+
+from ..config import ConfigError, Settings, load_config
+from ..httpd import local_url
+from ..store import ROW_OVERHEAD, StoreError, read_stats
+from ..uplink.iggy import _Connection
+from ..uplink.protocol import UplinkError
+from .common import DEFAULT_CONFIG, ConfigOption
+
+DEFAULT_ENV_FILE: Final = Path("/etc/iggy-edge/env")
+TIMEOUT_S: Final = 5.0
+MIN_YEAR: Final = 2024
+# SQLite's file is larger than the accounted bytes (pages, indexes, WAL):
+# ask for this much room per accounted byte.
+DISK_FACTOR: Final = 1.3
+BAD_CREDENTIALS: Final = {4, 5, 0x86, 0x87}  # MQTT 3.1.1 and 5 refusal codes
+
+Status = Literal["ok", "warn", "fail", "skip"]
+MARK: Final = {"ok": "✓", "warn": "!", "fail": "✗", "skip": "-"}
+COLOUR: Final = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "white"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=value lines as systemd's EnvironmentFile= reads them (comments,
+    blank lines, optional quotes)."""
+    env: dict[str, str] = {}
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")) or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+# -- individual checks ---------------------------------------------------------
+
+
+def check_config(path: Path, env: Mapping[str, str]) -> tuple[Check, Settings | None]:
+    try:
+        settings = load_config(path, env=env)
+    except ConfigError as e:
+        lines = "; ".join(f"{k}: {m}" for k, m in e.problems)
+        return Check(
+            "config", "fail", f"{e.source}: {lines}", f"edit {path}, then: iggy-edge config check {path}"
+        ), None
+    where = settings.iggy.address if settings.iggy.kind == "iggy" else settings.iggy.kind
+    return Check("config", "ok", f"{path}: gateway {settings.gateway_id}, uplink {where}"), settings
+
+
+def check_clock(now: float | None = None) -> Check:
+    now = time.time() if now is None else now
+    year = time.gmtime(now).tm_year
+    if year < MIN_YEAR:
+        return Check(
+            "clock",
+            "fail",
+            f"system time is {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(now))}",
+            "the clock is not set (no RTC?): enable NTP (timedatectl set-ntp true) and check network access "
+            "to the NTP servers; receive times and TTLs depend on it",
+        )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(now))
+    synced = Path("/run/systemd/timesync/synchronized")
+    if Path("/run/systemd/timesync").is_dir() and not synced.exists():
+        return Check(
+            "clock",
+            "warn",
+            f"{stamp}, but systemd-timesyncd has not synchronised yet",
+            "check: timedatectl timesync-status",
+        )
+    return Check("clock", "ok", stamp + (" (NTP synchronised)" if synced.exists() else ""))
+
+
+def check_disk(settings: Settings) -> Check:
+    path = settings.buffer_path
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError as e:
+        return Check(
+            "disk", "fail", f"cannot inspect {probe}: {e}", "check the buffer path (buffer.path / state_dir)"
+        )
+    free = st.f_bavail * st.f_frsize
+    try:
+        current = read_stats(path).file_bytes if path.exists() else 0
+    except StoreError:
+        current = path.stat().st_size if path.exists() else 0
+    max_bytes = settings.buffer.max_bytes
+    need = int(max_bytes * DISK_FACTOR) - current
+    detail = (
+        f"{probe}: {free / 1e6:,.0f} MB free; buffer.max_bytes {max_bytes / 1e6:,.0f} MB "
+        f"needs about {max(need, 0) / 1e6:,.0f} MB more"
+    )
+    if free < max(need, 0):
+        fit = int((free + current) / DISK_FACTOR) - ROW_OVERHEAD
+        return Check(
+            "disk",
+            "fail",
+            detail,
+            f"free space on {probe}, or lower buffer.max_bytes to at most {max(fit, 0):,} "
+            "(the buffer would fill the disk before its bound applies)",
+        )
+    if not os.access(probe, os.W_OK):
+        return Check(
+            "disk",
+            "warn",
+            detail + f"; {probe} is not writable by this user",
+            "run doctor as root or the service user",
+        )
+    return Check("disk", "ok", detail)
+
+
+def _tcp(host: str, port: int, timeout: float) -> str | None:
+    """None when something accepts a TCP connection, else the reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:.0f}s"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
+    m = settings.mqtt
+    where = f"{m.host}:{m.port}"
+    problem = await asyncio.to_thread(_tcp, m.host, m.port, timeout)
+    if problem is not None:
+        return Check(
+            "broker",
+            "fail",
+            f"cannot reach {where}: {problem}",
+            "start the broker (systemctl status mosquitto) or fix mqtt.host / mqtt.port "
+            "(or IGGY_EDGE_MQTT_HOST / _PORT); check the firewall",
+        )
+    client = gmqtt.Client(f"{settings.mqtt_client_id}-doctor", clean_session=True)
+    client._package_handler._reconnect_callback = _no_reconnect
+    if m.username:
+        client.set_auth_credentials(m.username, m.password.get_secret_value() if m.password else None)
+    ctx: ssl.SSLContext | bool = False
+    if m.tls:
+        ctx = ssl.create_default_context(cafile=str(m.tls_ca_file) if m.tls_ca_file else None)
+    who = f"as {m.username!r}" if m.username else "anonymously"
+    try:
+        await asyncio.wait_for(
+            client.connect(m.host, m.port, ssl=ctx, version=MQTTv50, keepalive=30), timeout
+        )
+    except MQTTConnectError as e:
+        code = getattr(e, "_code", None)
+        if code in BAD_CREDENTIALS:
+            return Check(
+                "broker",
+                "fail",
+                f"{where} refused the login {who}: {e}",
+                "wrong or missing credentials: set mqtt.username and IGGY_EDGE_MQTT_PASSWORD in "
+                f"{DEFAULT_ENV_FILE}, matching the broker's password file "
+                "(mosquitto_passwd /etc/mosquitto/iggy-edge.passwd <user>)",
+            )
+        return Check("broker", "fail", f"{where} refused the connection: {e}", "see the broker's log")
+    except (TimeoutError, OSError, ssl.SSLError) as e:
+        return Check(
+            "broker",
+            "fail",
+            f"{where} accepts TCP but no MQTT session {who}: {type(e).__name__} {e}",
+            "is it an MQTT broker, and does mqtt.tls match the listener?",
+        )
+    finally:
+        await _quiet_disconnect(client)
+    return Check("broker", "ok", f"{where}: MQTT 5 session {who} works")
+
+
+async def _no_reconnect(delay: bool = False) -> None:
+    """gmqtt would reconnect on its own after a refusal; doctor asks once."""
+
+
+async def _quiet_disconnect(client: gmqtt.Client) -> None:
+    if client.is_connected:
+        with contextlib.suppress(TimeoutError, OSError, RuntimeError):
+            await asyncio.wait_for(client.disconnect(), 2)
+
+
+async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Check]:
+    s = settings.iggy
+    if s.kind != "iggy":
+        note = {
+            "none": "no uplink configured: records stay in the local buffer",
+            "file": f"records go to the file {s.file_path} (debugging)",
+            "memory": "in-memory uplink (tests only)",
+        }[s.kind]
+        status: Status = "warn" if s.kind in ("none", "memory") else "skip"
+        return [
+            Check(
+                "iggy",
+                status,
+                f"kind = {s.kind!r}: {note}",
+                'set [iggy] kind = "iggy" and address' if status == "warn" else "",
+            )
+        ]
+    host, _, port = s.address.rpartition(":")
+    problem = await asyncio.to_thread(_tcp, host, int(port), timeout)
+    if problem is not None:
+        return [
+            Check(
+                "iggy",
+                "fail",
+                f"cannot reach {s.address}: {problem}",
+                "check iggy.address (IGGY_ADDRESS), the server, DNS and the firewall; the agent keeps "
+                "buffering meanwhile",
+            )
+        ]
+    conn = _Connection(
+        s.model_copy(update={"connect_timeout_s": timeout, "request_timeout_s": timeout}), "doctor"
+    )
+    try:
+        try:
+            client = await conn.client()
+        except UplinkError as e:
+            text = str(e).lower()
+            if "credential" in text or "unauthenticated" in text or "invalid" in text or "password" in text:
+                fix = (
+                    f"check iggy.username ({s.username!r}) and IGGY_PASSWORD in {DEFAULT_ENV_FILE} "
+                    "(or the credentials_file)"
+                )
+            elif s.tls:
+                fix = "check iggy.tls_ca_file / tls_domain against the server's certificate"
+            else:
+                fix = "is it an Iggy TCP endpoint (default port 8090)? does the server need TLS (IGGY_TLS)?"
+            return [Check("iggy", "fail", f"login to {s.address} as {s.username!r} failed: {e}", fix)]
+        checks = [Check("iggy", "ok", f"{s.address}: logged in as {s.username!r}")]
+        checks.append(await _iggy_permissions(settings, conn, client))
+        return checks
+    finally:
+        await conn.close()
+
+
+async def _iggy_permissions(settings: Settings, conn: Any, client: Any) -> Check:
+    """Which streams/topics exist, and whether the user may send, create and poll."""
+    s = settings.iggy
+    send_to = sorted({(r.stream, r.topic) for r in settings.routes})
+    poll_from: list[tuple[str, str]] = []
+    if settings.downlink.enabled:
+        d = settings.downlink
+        poll_from = [(d.stream, d.commands_topic), (d.stream, d.config_topic)]
+    missing: list[str] = []
+    try:
+        for stream, topic in send_to + poll_from:
+            if await conn.call(f"get topic {stream}/{topic}", client.get_topic(stream, topic)) is None:
+                missing.append(f"{stream}/{topic}")
+        user = await conn.call("get user", client.get_user(s.username))
+    except UplinkError as e:
+        return Check(
+            "iggy permissions",
+            "fail",
+            f"cannot read streams/topics: {e}",
+            f"grant {s.username!r} read_streams/read_topics, send_messages on the route streams and "
+            "poll_messages on the downlink stream",
+        )
+    if missing and not s.create_missing:
+        return Check(
+            "iggy permissions",
+            "fail",
+            f"missing topics: {', '.join(missing)} and iggy.create_missing is off",
+            "create them on the server, or set iggy.create_missing = true",
+        )
+    perms = None if user is None else user.permissions
+    if perms is None:
+        note = "user has no explicit permission set (root?)" if user is not None else "cannot read own user"
+        return Check(
+            "iggy permissions",
+            "warn" if user is None else "ok",
+            note + (f"; will create {', '.join(missing)}" if missing else ""),
+            "" if user is not None else f"give {s.username!r} read_users to let doctor verify permissions",
+        )
+    g = perms.global_permissions
+    streams = perms.streams or {}
+    needs: list[str] = []
+
+    async def stream_perm(stream: str) -> Any:
+        details = await conn.call(f"get stream {stream}", client.get_stream(stream))
+        return None if details is None else streams.get(details.id)
+
+    for stream, _topic in send_to:
+        sp = await stream_perm(stream)
+        if not (
+            g.send_messages or g.manage_streams or (sp is not None and (sp.send_messages or sp.manage_stream))
+        ):
+            needs.append(f"send_messages on stream {stream}")
+    if missing and not (g.manage_streams or g.manage_topics):
+        needs.append(f"manage_topics (or manage_streams) to create {', '.join(missing)}")
+    for stream, _topic in poll_from:
+        sp = await stream_perm(stream)
+        if not (
+            g.poll_messages or g.manage_streams or (sp is not None and (sp.poll_messages or sp.manage_stream))
+        ):
+            needs.append(f"poll_messages on stream {stream} (commands/config)")
+    if needs:
+        return Check(
+            "iggy permissions",
+            "fail",
+            f"{s.username!r} lacks: " + "; ".join(needs),
+            "grant them with the Iggy CLI or web UI (iggy user permissions ...)",
+        )
+    extra = f"; will create {', '.join(missing)}" if missing else ""
+    return Check("iggy permissions", "ok", "may send to the route topics and poll commands" + extra)
+
+
+def check_agent(settings: Settings, timeout: float = 2.0) -> Check:
+    if not settings.metrics.enabled:
+        return Check("agent", "skip", "metrics endpoint disabled (metrics.enabled = false)")
+    url = local_url(settings.metrics.listen) + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):  # noqa: S310 - http URL
+            pass
+        return Check("agent", "ok", f"running and healthy ({url})")
+    except urllib.error.HTTPError as e:
+        doc = json.loads(e.read() or b"{}")
+        return Check(
+            "agent",
+            "warn",
+            f"running but unhealthy: ingest {doc.get('ingest')}, store {doc.get('store')}, "
+            f"uplink {doc.get('uplink')}",
+            "see journalctl -u iggy-edge and iggy-edge status",
+        )
+    except (OSError, ValueError):
+        return Check("agent", "skip", f"not running (nothing at {url})")
+
+
+# -- command -------------------------------------------------------------------
+
+
+async def run_checks(config: Path, env: Mapping[str, str]) -> list[Check]:
+    cfg, settings = check_config(config, env)
+    checks = [cfg, check_clock()]
+    if settings is None:
+        checks.append(Check("broker", "skip", "needs a valid config"))
+        checks.append(Check("iggy", "skip", "needs a valid config"))
+        return checks
+    checks.append(check_disk(settings))
+    broker, iggy = await asyncio.gather(check_broker(settings), check_iggy(settings))
+    checks.append(broker)
+    checks.extend(iggy)
+    checks.append(await asyncio.to_thread(check_agent, settings))
+    return checks
+
+
+def doctor(
+    config: ConfigOption = DEFAULT_CONFIG,
+    env_file: Annotated[
+        Path,
+        typer.Option(help="Secrets file the service reads (EnvironmentFile=); used when readable."),
+    ] = DEFAULT_ENV_FILE,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable results.")] = False,
+) -> None:
+    """Check config, clock, disk, broker, Iggy and permissions; print what to fix."""
+    logging.getLogger("gmqtt").setLevel(logging.CRITICAL)  # its refusal warnings duplicate ours
+    env = dict(os.environ)
+    env_note: Check | None = None
+    if env_file.exists():
+        try:
+            env = read_env_file(env_file) | env  # the caller's environment wins, as an override
+        except PermissionError:
+            env_note = Check(
+                "secrets",
+                "warn",
+                f"{env_file} is not readable by this user",
+                "run doctor with sudo to check with the service's credentials",
+            )
+        except (OSError, UnicodeDecodeError) as e:
+            env_note = Check(
+                "secrets", "fail", f"cannot read {env_file}: {e}", "fix the file (KEY=value lines)"
+            )
+    checks = asyncio.run(run_checks(config, env))
+    if env_note is not None:
+        checks.insert(1, env_note)
+    failed = [c for c in checks if c.status == "fail"]
+    if as_json:
+        typer.echo(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}))
+    else:
+        for c in checks:
+            typer.secho(f"{MARK[c.status]} {c.name}: {c.detail}", fg=COLOUR[c.status])
+            if c.fix and c.status in ("fail", "warn"):
+                typer.echo(f"    fix: {c.fix}")
+        typer.echo(f"\n{len(failed)} problem(s)" if failed else "\nall checks passed")
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,247 @@
+"""`iggy-edge status`: what the running agent is doing, from its /metrics and /health.
+
+The figures are the ones Prometheus scrapes (one source of truth).  When no
+agent answers, the buffer is read from SQLite instead, so an operator still
+sees the backlog of a stopped agent.
+
+Exit status (for scripts): 0 running and healthy, 1 running but unhealthy,
+3 not running (as `systemctl status`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import typer
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from ..httpd import local_url
+from ..store import StoreError, read_stats
+from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+
+EXIT_UNHEALTHY = 1
+EXIT_NOT_RUNNING = 3
+
+
+@dataclass
+class Snapshot:
+    """One scrape: sample name (+ sorted labels) -> value, and the health doc."""
+
+    at: float
+    samples: dict[str, float] = field(default_factory=dict)
+    by_label: dict[str, dict[str, float]] = field(default_factory=dict)
+    health: dict[str, Any] = field(default_factory=dict)
+    healthy: bool = False
+
+    def get(self, name: str) -> float:
+        return self.samples.get(name, 0.0)
+
+    def labelled(self, name: str) -> dict[str, float]:
+        return self.by_label.get(name, {})
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    plain: dict[str, float] = {}
+    labelled: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels and not s.name.endswith("_bucket"):
+                label = ",".join(str(v) for _, v in sorted(s.labels.items()))
+                labelled.setdefault(s.name, {})[label] = float(s.value)
+                plain[s.name] = plain.get(s.name, 0.0) + float(s.value)  # total over labels
+            elif not s.labels:
+                plain[s.name] = float(s.value)
+    return plain, labelled
+
+
+def scrape(base_url: str, timeout: float = 3.0) -> Snapshot:
+    """Read /metrics and /health; raises OSError when nothing answers."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as resp:  # noqa: S310 - http URL
+        text = resp.read().decode("utf-8")
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout) as resp:  # noqa: S310
+            health, healthy = json.loads(resp.read()), True
+    except urllib.error.HTTPError as e:  # 503 carries the same JSON
+        health, healthy = json.loads(e.read() or b"{}"), False
+    plain, labelled = parse_metrics(text)
+    return Snapshot(time.monotonic(), plain, labelled, health, healthy)
+
+
+def figures(snap: Snapshot, prev: Snapshot | None = None) -> dict[str, Any]:
+    """The figures status shows, as a JSON-ready dict (rates need `prev`)."""
+    g = snap.get
+    ingested = g("iggy_edge_ingest_messages_total")
+    forwarded = g("iggy_edge_forward_records_total")
+    sends = g("iggy_edge_forward_send_seconds_count")
+    out: dict[str, Any] = {
+        "healthy": snap.healthy,
+        "health": snap.health,
+        "ingest": {
+            "connected": bool(g("iggy_edge_ingest_connected")),
+            "messages": int(ingested),
+            "payload_bytes": int(g("iggy_edge_ingest_payload_bytes_total")),
+            "reconnects": int(g("iggy_edge_ingest_reconnects_total")),
+        },
+        "store": {
+            "committed": int(g("iggy_edge_store_records_committed_total")),
+            "backlog_records": int(g("iggy_edge_store_backlog_records")),
+            "backlog_bytes": int(g("iggy_edge_store_backlog_bytes")),
+            "oldest_age_s": round(g("iggy_edge_store_backlog_oldest_age_seconds"), 1),
+            "dropped": {k: int(v) for k, v in snap.labelled("iggy_edge_store_dropped_records_total").items()},
+            "dead_letters": {
+                k: int(v) for k, v in snap.labelled("iggy_edge_store_dead_letters_total").items()
+            },
+            "errors": int(g("iggy_edge_store_errors_total")),
+        },
+        "forward": {
+            "uplink_up": bool(g("iggy_edge_forward_uplink_up")),
+            "records": int(forwarded),
+            "batches": int(g("iggy_edge_forward_batches_total")),
+            "errors": {k: int(v) for k, v in snap.labelled("iggy_edge_forward_errors_total").items()},
+            "ambiguous_retries": int(g("iggy_edge_forward_ambiguous_retries_total")),
+            "mean_send_ms": round(1000 * g("iggy_edge_forward_send_seconds_sum") / sends, 2)
+            if sends
+            else None,
+        },
+        "downlink": {
+            "commands": {k: int(v) for k, v in snap.labelled("iggy_edge_downlink_commands_total").items()},
+            "inbox_records": int(g("iggy_edge_downlink_inbox_records")),
+        },
+    }
+    if prev is not None and snap.at > prev.at:
+        dt = snap.at - prev.at
+        out["rates"] = {
+            "ingest_per_s": round((ingested - prev.get("iggy_edge_ingest_messages_total")) / dt, 1),
+            "forward_per_s": round((forwarded - prev.get("iggy_edge_forward_records_total")) / dt, 1),
+        }
+    return out
+
+
+def _nonzero(d: dict[str, int]) -> str:
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v)
+    return shown or "none"
+
+
+def render(f: dict[str, Any], source: str) -> Table:
+    h = f["health"]
+    title = (
+        f"iggy-edge {h.get('gateway', '')} -- "
+        + ("[green]healthy[/]" if f["healthy"] else "[red]UNHEALTHY[/]")
+        + f"  (up {h.get('uptime_s', 0):.0f}s, {source})"
+    )
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    ing, st, fw, dl = f["ingest"], f["store"], f["forward"], f["downlink"]
+    rates = f.get("rates", {})
+
+    def rate(key: str) -> str:
+        return f"  ({rates[key]:.1f}/s)" if key in rates else ""
+
+    t.add_row(
+        "ingest",
+        f"{h.get('ingest', '?')}, {ing['messages']} messages{rate('ingest_per_s')}, "
+        f"{ing['reconnects']} reconnects",
+    )
+    t.add_row("store", f"{h.get('store', '?')}, {st['committed']} committed, {st['errors']} errors")
+    t.add_row(
+        "backlog",
+        f"{st['backlog_records']} records, {st['backlog_bytes'] / 1e6:.2f} MB, "
+        f"oldest {st['oldest_age_s']:.0f}s",
+    )
+    t.add_row("uplink", f"{h.get('uplink', '?')}")
+    mean = fw["mean_send_ms"]
+    t.add_row(
+        "forwarded",
+        f"{fw['records']} records{rate('forward_per_s')} in {fw['batches']} batches"
+        + (f", mean send {mean} ms" if mean is not None else ""),
+    )
+    t.add_row("send errors", _nonzero(fw["errors"]) + f"; ambiguous retries {fw['ambiguous_retries']}")
+    t.add_row("dropped", _nonzero(st["dropped"]))
+    t.add_row("dead letters", _nonzero(st["dead_letters"]))
+    t.add_row("commands", _nonzero(dl["commands"]) + f"; inbox {dl['inbox_records']}")
+    return t
+
+
+def status(
+    config: ConfigOption = DEFAULT_CONFIG,
+    url: Annotated[
+        str | None, typer.Option(help="Agent endpoint (default: http://<metrics.listen> from the config).")
+    ] = None,
+    interval: Annotated[
+        float, typer.Option("--interval", "-i", min=0.2, help="Seconds between refreshes.")
+    ] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document (implies --once).")] = False,
+) -> None:
+    """Live view of the running agent (ingest, backlog, uplink, drops, dead letters, commands)."""
+    settings = load_or_exit(config)
+    if url is None:
+        url = local_url(settings.metrics.listen)
+    url = url.rstrip("/")
+    try:
+        snap = scrape(url)
+    except (OSError, ValueError) as e:
+        _not_running(settings.buffer_path, url, e, as_json)
+        raise typer.Exit(EXIT_NOT_RUNNING) from None
+    if as_json or once:
+        f = figures(snap)
+        if as_json:
+            typer.echo(json.dumps(f | {"agent": "running", "url": url}))
+        else:
+            Console().print(render(f, url))
+        raise typer.Exit(0 if snap.healthy else EXIT_UNHEALTHY)
+    prev = snap
+    try:
+        with Live(render(figures(snap), url), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                try:
+                    snap = scrape(url)
+                except (OSError, ValueError) as e:
+                    live.update(Table(title=f"[red]agent stopped answering at {url}: {e}[/]"), refresh=True)
+                    continue
+                live.update(render(figures(snap, prev), url), refresh=True)
+                prev = snap
+    except KeyboardInterrupt:
+        pass
+
+
+def _not_running(path: Any, url: str, error: Exception, as_json: bool) -> None:
+    try:
+        buffer: dict[str, Any] | None = read_stats(path).as_dict()
+        buffer_error = None
+    except StoreError as e:
+        buffer, buffer_error = None, str(e)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "agent": "not running",
+                    "url": url,
+                    "error": str(error),
+                    "buffer": buffer,
+                    "buffer_error": buffer_error,
+                }
+            )
+        )
+        return
+    typer.secho(f"agent: not running (nothing answers at {url}: {error})", fg=typer.colors.YELLOW)
+    typer.echo("       start it with: systemctl start iggy-edge   (logs: journalctl -u iggy-edge)")
+    if buffer is None:
+        typer.echo(f"buffer: {buffer_error}")
+        return
+    age = buffer["oldest_age_s"]
+    typer.echo(
+        f"buffer: {buffer['records']} records, {buffer['bytes'] / 1e6:.2f} MB waiting"
+        + ("" if age is None else f", oldest {age:.0f}s")
+        + f"; dead letters {buffer['dead_letters']}; dropped {_nonzero(buffer['drops_by_reason'])}"
+    )
