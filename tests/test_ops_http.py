@@ -1,0 +1,206 @@
+"""/metrics and /health scraped over HTTP while the pipeline runs (real Mosquitto,
+MemoryIggy uplink), and `iggy-edge status` reading the same figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from iggy_edge.cli.main import app
+from iggy_edge.cli.status import parse_metrics
+from iggy_edge.config import Settings
+from iggy_edge.httpd import http_endpoint
+from iggy_edge.uplink.memory import MemoryIggy
+from typer.testing import CliRunner
+
+from tests.support.agent import make_settings, running_agent
+from tests.support.broker import Broker
+from tests.support.mqtt import publish_all
+from tests.support.ports import free_port
+from tests.support.wait import async_wait_until
+
+
+def _get(url: str, method: str = "GET") -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+
+
+async def get(url: str, method: str = "GET") -> tuple[int, str, bytes]:
+    return await asyncio.to_thread(_get, url, method)
+
+
+async def metrics(base: str) -> dict[str, float]:
+    status, _, body = await get(f"{base}/metrics")
+    assert status == 200
+    return parse_metrics(body.decode())[0]
+
+
+async def health(base: str) -> tuple[int, dict[str, Any]]:
+    status, ctype, body = await get(f"{base}/health")
+    assert ctype == "application/json"
+    return status, json.loads(body)
+
+
+def _settings(tmp_path: Path, broker: Broker, port: int) -> Settings:
+    return make_settings(
+        tmp_path,
+        broker,
+        metrics={"listen": f"127.0.0.1:{port}", "uplink_down_unhealthy_s": 0.5},
+    )
+
+
+def _config_file(tmp_path: Path, broker: Broker, port: int) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'gateway_id = "gw-test"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
+        f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    )
+    return path
+
+
+async def test_metrics_and_health_follow_the_pipeline(tmp_path: Path, broker: Broker) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    iggy = MemoryIggy()
+    settings = _settings(tmp_path, broker, port)
+    async with running_agent(settings, iggy.uplink(), components=(http_endpoint,)):
+        before = await metrics(base)
+        assert before["iggy_edge_ingest_messages_total"] == 0
+        assert before["iggy_edge_agent_healthy"] == 1
+        assert before["iggy_edge_ingest_connected"] == 1
+
+        msgs = [(f"edge/dev{i % 3}/up/env", b'{"seq": %d, "t": 20.5}' % i) for i in range(60)]
+        await publish_all(broker.host, broker.port, "ops-pub-1", msgs)
+        await async_wait_until(lambda: iggy.count() == 60, 15, what="60 forwarded")
+
+        async def forwarded() -> dict[str, float]:
+            m = await metrics(base)
+            return m if m["iggy_edge_forward_records_total"] == 60 else {}
+
+        m: dict[str, float] = {}
+        for _ in range(100):
+            m = await forwarded()
+            if m:
+                break
+            await asyncio.sleep(0.05)
+        assert m, "forwarded counter never reached 60"
+        assert m["iggy_edge_ingest_messages_total"] == 60
+        assert m["iggy_edge_store_records_committed_total"] == 60
+        assert m["iggy_edge_forward_send_seconds_count"] >= 1
+        assert m["iggy_edge_forward_uplink_up"] == 1
+        assert m["iggy_edge_store_backlog_records"] == 0
+        status, doc = await health(base)
+        assert status == 200
+        assert doc["healthy"] is True
+        assert doc["ingest"] == "up"
+        assert doc["uplink"] == "up"
+        assert doc["gateway"] == "gw-test"
+
+        # Uplink down: records pile up; past uplink_down_unhealthy_s health says 503.
+        iggy.down = True
+        await publish_all(broker.host, broker.port, "ops-pub-2", [("edge/dev9/up/env", b"x")] * 10)
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:
+            status, doc = await health(base)
+            if status == 503:
+                break
+            assert asyncio.get_running_loop().time() < deadline, f"never unhealthy: {doc}"
+            await asyncio.sleep(0.05)
+        assert doc["healthy"] is False
+        assert doc["uplink"].startswith("down for")
+        m = await metrics(base)
+        assert m["iggy_edge_store_backlog_records"] == 10
+        assert m["iggy_edge_forward_uplink_up"] == 0
+        assert m["iggy_edge_forward_errors_total"] >= 1
+        assert m["iggy_edge_agent_healthy"] == 0
+
+        # Back up: drains, healthy again.
+        iggy.down = False
+        await async_wait_until(lambda: iggy.count() == 70, 15, what="backlog drained")
+        deadline = asyncio.get_running_loop().time() + 15
+        while (await health(base))[0] != 200:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+
+
+async def test_http_routes_and_methods(tmp_path: Path, broker: Broker) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    settings = _settings(tmp_path, broker, port)
+    async with running_agent(settings, MemoryIggy().uplink(), components=(http_endpoint,)):
+        status, ctype, body = await get(f"{base}/metrics")
+        assert status == 200
+        assert ctype.startswith("text/plain")
+        assert b'iggy_edge_agent_info{gateway="gw-test"' in body
+        assert b'iggy_edge_store_dropped_records_total{reason="buffer_full_oldest"} 0.0' in body
+        assert (await get(f"{base}/nope"))[0] == 404
+        assert (await get(f"{base}/metrics", "POST"))[0] == 405
+        status, _, body = await get(f"{base}/health", "HEAD")
+        assert status == 200
+        assert body == b""
+        # A client that sends garbage and hangs up does not hurt the server.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x00\x01garbage\r\n\r\n")
+        await writer.drain()
+        assert (await reader.read())[:12] == b"HTTP/1.0 400"
+        writer.close()
+        assert (await get(f"{base}/health"))[0] == 200
+
+
+async def test_endpoint_binds_to_localhost_by_default(tmp_path: Path, broker: Broker) -> None:
+    settings = make_settings(tmp_path, broker)
+    assert settings.metrics.listen.startswith("127.0.0.1:")
+
+
+async def test_status_reads_the_running_agent_and_falls_back_to_the_buffer(
+    tmp_path: Path, broker: Broker
+) -> None:
+    port = free_port()
+    config = _config_file(tmp_path, broker, port)
+    iggy = MemoryIggy()
+    runner = CliRunner()
+    settings = _settings(tmp_path, broker, port)
+    async with running_agent(settings, iggy.uplink(), components=(http_endpoint,)):
+        await publish_all(broker.host, broker.port, "ops-pub-3", [("edge/d1/up/t", b"1")] * 25)
+        await async_wait_until(lambda: iggy.count() == 25, 15)
+
+        def forwarded_in_status() -> dict[str, Any]:
+            result = runner.invoke(app, ["status", "-c", str(config), "--json"])
+            assert result.exit_code == 0, result.output
+            doc: dict[str, Any] = json.loads(result.stdout)
+            return doc
+
+        doc: dict[str, Any] = {}
+        for _ in range(100):
+            doc = await asyncio.to_thread(forwarded_in_status)
+            if doc["forward"]["records"] == 25:
+                break
+            await asyncio.sleep(0.05)
+        assert doc["agent"] == "running"
+        assert doc["ingest"]["messages"] == 25
+        assert doc["forward"]["records"] == 25
+        assert doc["healthy"] is True
+        once = await asyncio.to_thread(runner.invoke, app, ["status", "-c", str(config), "--once"])
+        assert once.exit_code == 0, once.output
+        assert "healthy" in once.stdout
+        assert "forwarded" in once.stdout
+
+    # Agent stopped: exit 3 and the buffer read from SQLite.
+    result = runner.invoke(app, ["status", "-c", str(config), "--json"])
+    assert result.exit_code == 3
+    doc = json.loads(result.stdout)
+    assert doc["agent"] == "not running"
+    assert doc["buffer"]["records"] == 0
+    text = runner.invoke(app, ["status", "-c", str(config)])
+    assert text.exit_code == 3
+    assert "not running" in text.stdout
+    assert "systemctl start iggy-edge" in text.stdout

@@ -1,0 +1,193 @@
+"""sd_notify over a real unix datagram socket; JSON logs; no secret in any log line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, setup_logging
+from iggy_edge.runtime import Health
+from iggy_edge.systemd import Notifier, systemd_notify
+
+from tests.support.auth_broker import password_broker
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _fake_agent() -> Any:
+    return SimpleNamespace(
+        ready=asyncio.Event(),
+        outbox=SimpleNamespace(records=7),
+        health=lambda: Health(True, "up", "ok", "up"),
+    )
+
+
+async def _recv(sock: socket.socket, timeout: float = 5.0) -> str:
+    loop = asyncio.get_running_loop()
+    data = await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout)
+    return data.decode()
+
+
+async def test_ready_watchdog_stopping(tmp_path: Path, notify_socket: socket.socket) -> None:
+    env = {
+        "NOTIFY_SOCKET": str(tmp_path / "notify"),
+        "WATCHDOG_USEC": "200000",
+        "WATCHDOG_PID": str(os.getpid()),
+    }
+    notifier = Notifier(env)
+    assert notifier.watchdog_interval_s == pytest.approx(0.1)
+    agent = _fake_agent()
+    task = asyncio.create_task(systemd_notify(agent, notifier))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    agent.ready.set()  # READY=1 only once the agent is ready
+    first = await _recv(notify_socket)
+    assert first.splitlines()[0] == "READY=1"
+    assert "STATUS=ingest up, store ok, uplink up, backlog 7 records" in first
+    pings = [await _recv(notify_socket) for _ in range(3)]
+    assert all(p.startswith("WATCHDOG=1\n") for p in pings)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await _recv(notify_socket) == "STOPPING=1"
+
+
+async def test_abstract_socket_address(notify_socket: socket.socket) -> None:
+    name = f"iggy-edge-test-{os.getpid()}-{time.monotonic_ns()}"
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    abstract.bind("\0" + name)
+    abstract.setblocking(False)
+    try:
+        assert Notifier({"NOTIFY_SOCKET": "@" + name}).notify("READY=1")
+        assert await _recv(abstract) == "READY=1"
+    finally:
+        abstract.close()
+
+
+async def test_no_notify_socket_is_a_no_op() -> None:
+    n = Notifier({})
+    assert not n.enabled
+    assert n.notify("READY=1") is False
+    # the component returns at once instead of waiting for readiness
+    await asyncio.wait_for(systemd_notify(_fake_agent(), n), 1)
+
+
+def test_watchdog_for_another_pid_is_ignored(tmp_path: Path) -> None:
+    n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "x"), "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
+    assert n.watchdog_interval_s is None
+
+
+def test_vanished_socket_does_not_raise(tmp_path: Path) -> None:
+    assert Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).notify("READY=1") is False
+
+
+# -- logs ----------------------------------------------------------------------
+
+
+def _record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError("boom\nsecond line")
+        except ValueError:
+            exc_info = sys.exc_info()
+    return logging.LogRecord("iggy_edge.test", logging.ERROR, __file__, 1, msg, args, exc_info)
+
+
+def test_json_format_is_one_object_per_line() -> None:
+    line = JsonFormatter().format(_record("uplink %s down for %ds", "iggy", 30, exc=True))
+    assert "\n" not in line
+    doc = json.loads(line)
+    assert doc["msg"] == "uplink iggy down for 30s"
+    assert doc["level"] == "ERROR"
+    assert doc["logger"] == "iggy_edge.test"
+    assert doc["ts"].endswith("+00:00")
+    assert "ValueError: boom" in doc["exc"]
+
+
+def test_redactor_removes_secret_from_message_args_and_traceback() -> None:
+    red = Redactor(["hunter2-secret", "ab"])  # too-short values are not redacted
+    rec = _record("connect to iggy+tcp://u:%s@host failed", "hunter2-secret")
+    assert red.filter(rec)
+    assert "hunter2-secret" not in rec.getMessage()
+    assert REDACTED in rec.getMessage()
+    try:
+        raise RuntimeError("login failed for password hunter2-secret")
+    except RuntimeError:
+        rec = logging.LogRecord("x", logging.ERROR, __file__, 1, "oops", None, sys.exc_info())
+    red.filter(rec)
+    assert "hunter2-secret" not in JsonFormatter().format(rec)
+    assert "login failed for password" in JsonFormatter().format(rec)
+
+
+def test_setup_logging_rejects_unknown_format() -> None:
+    with pytest.raises(ValueError, match="unknown log format"):
+        setup_logging("INFO", "xml")
+    setup_logging("WARNING", "text")  # restore something sane for later tests
+
+
+@pytest.mark.slow
+def test_agent_never_logs_its_passwords(tmp_path: Path) -> None:
+    """Run the real `iggy-edge run` with both passwords set, at DEBUG, against a
+    broker that needs a password and an Iggy address where nothing listens (so
+    connection errors are logged over and over), then grep everything it wrote."""
+    mqtt_secret = "mqtt-s3cret-Ohm4u"
+    iggy_secret = "iggy-s3cret-Vai9e"
+    binary = Path(sys.executable).parent / "iggy-edge"
+    with password_broker(tmp_path / "broker", {"agent": mqtt_secret}) as broker:
+        config = tmp_path / "config.toml"
+        config.write_text(
+            f'gateway_id = "gw-secret"\nstate_dir = "{tmp_path / "state"}"\n'
+            f'[mqtt]\nhost = "127.0.0.1"\nport = {broker.port}\nusername = "agent"\n'
+            f'[iggy]\nkind = "iggy"\naddress = "127.0.0.1:{free_port()}"\nconnect_timeout_s = 0.5\n'
+            f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n'
+            '[logging]\nlevel = "DEBUG"\nformat = "json"\n'
+        )
+        env = dict(os.environ, IGGY_EDGE_MQTT_PASSWORD=mqtt_secret, IGGY_PASSWORD=iggy_secret)
+        log_path = tmp_path / "agent.log"
+        with log_path.open("wb") as log_file:
+            agent = subprocess.Popen(
+                [str(binary), "run", "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT, env=env
+            )
+            try:
+                wait_until(lambda: b"MQTT session up" in log_path.read_bytes(), 20, what="MQTT session up")
+                wait_until(
+                    lambda: b"uplink unavailable" in log_path.read_bytes(), 20, what="uplink error logged"
+                )
+                agent.send_signal(signal.SIGTERM)
+                assert agent.wait(20) == 0
+            finally:
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.wait()
+        out = log_path.read_text()
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert len(lines) >= 3
+        for line in lines:
+            json.loads(line)  # one JSON event per line, nothing else
+        assert mqtt_secret not in out
+        assert iggy_secret not in out
+        assert '"stopped;' in out
