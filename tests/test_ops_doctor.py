@@ -1,0 +1,172 @@
+"""`iggy-edge doctor` against real brokers (reachable, unreachable, wrong
+credentials), a full disk (a 1 MiB tmpfs) and a bad clock, with the advice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from iggy_edge.cli.doctor import check_clock, read_env_file
+from iggy_edge.cli.main import app
+from typer.testing import CliRunner
+
+from tests.support.auth_broker import password_broker
+from tests.support.broker import Broker
+from tests.support.ports import free_port
+
+runner = CliRunner()
+
+
+def write_config(tmp_path: Path, *, port: int, state_dir: Path | None = None, extra: str = "") -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'gateway_id = "gw-doc"\nstate_dir = "{state_dir or tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "127.0.0.1"\nport = {port}\n'
+        f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n' + extra
+    )
+    return path
+
+
+def doctor(config: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    """Run doctor twice: --json for the assertions, text for the advice."""
+    argv = ["doctor", "-c", str(config), "--env-file", str(config.parent / "no-env"), *args]
+    as_json = runner.invoke(app, [*argv, "--json"], env=env)
+    text = runner.invoke(app, argv, env=env)
+    assert as_json.exit_code == text.exit_code
+    doc = json.loads(as_json.stdout)
+    return as_json.exit_code, {c["name"]: c for c in doc["checks"]}, text.stdout
+
+
+def test_reachable_broker_passes(tmp_path: Path, broker: Broker) -> None:
+    code, checks, text = doctor(write_config(tmp_path, port=broker.port))
+    assert checks["broker"]["status"] == "ok", checks["broker"]
+    assert "MQTT 5 session anonymously works" in checks["broker"]["detail"]
+    assert checks["config"]["status"] == "ok"
+    assert checks["clock"]["status"] in ("ok", "warn")
+    assert checks["disk"]["status"] == "ok"
+    assert checks["iggy"]["status"] == "warn"  # kind = none: nothing is forwarded
+    assert checks["agent"]["status"] == "skip"
+    assert code == 0
+    assert "✓ broker" in text
+    assert "all checks passed" in text
+
+
+def test_unreachable_broker_fails_with_advice(tmp_path: Path) -> None:
+    code, checks, text = doctor(write_config(tmp_path, port=free_port()))
+    assert code == 1
+    assert checks["broker"]["status"] == "fail"
+    assert "Connection refused" in checks["broker"]["detail"]
+    assert "✗ broker: cannot reach 127.0.0.1:" in text
+    assert "fix: start the broker (systemctl status mosquitto)" in text
+
+
+def test_wrong_and_right_credentials(tmp_path: Path) -> None:
+    with password_broker(tmp_path / "auth", {"iggy-edge": "right-password"}) as broker:
+        config = write_config(tmp_path, port=broker.port, extra="")
+        text = config.read_text().replace("[mqtt]\n", '[mqtt]\nusername = "iggy-edge"\n')
+        config.write_text(text)
+
+        code, checks, out = doctor(config, env={"IGGY_EDGE_MQTT_PASSWORD": "wrong-password"})
+        assert code == 1
+        assert checks["broker"]["status"] == "fail"
+        assert "refused the login as 'iggy-edge'" in checks["broker"]["detail"]
+        assert "wrong or missing credentials" in out
+        assert "mosquitto_passwd" in out
+        assert "wrong-password" not in out
+
+        code, checks, _ = doctor(config)  # no password at all
+        assert checks["broker"]["status"] == "fail"
+
+        # The right password from the service's env file (as systemd passes it).
+        env_file = tmp_path / "env"
+        env_file.write_text("# secrets\nIGGY_EDGE_MQTT_PASSWORD='right-password'\n")
+        argv = ["doctor", "-c", str(config), "--env-file", str(env_file), "--json"]
+        result = runner.invoke(app, argv)
+        checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+        assert checks["broker"]["status"] == "ok", checks["broker"]
+        assert result.exit_code == 0
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path) -> Iterator[Path]:
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root and CAP_SYS_ADMIN")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
+    with tiny_tmpfs(tmp_path / "small") as small:
+        # Fill it: what remains is far below the buffer's bound.
+        with contextlib.suppress(OSError):
+            (small / "filler").write_bytes(b"\0" * (1024 * 1024))
+        config = write_config(
+            tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 104857600\n"
+        )
+        code, checks, out = doctor(config)
+        assert code == 1
+        assert checks["disk"]["status"] == "fail", checks["disk"]
+        assert checks["broker"]["status"] == "ok"  # the other checks still ran
+        assert "lower buffer.max_bytes to at most" in out
+        assert f"free space on {small}" in out
+
+        # With a bound that fits, the same disk passes.
+        (small / "filler").unlink()
+        config.write_text(config.read_text().replace("max_bytes = 104857600", "max_bytes = 102400"))
+        code, checks, _ = doctor(config)
+        assert checks["disk"]["status"] == "ok", checks["disk"]
+
+
+def test_clock_before_2024_fails() -> None:
+    bad = check_clock(now=0.0)
+    assert bad.status == "fail"
+    assert "1970-01-01" in bad.detail
+    assert "timedatectl set-ntp true" in bad.fix
+    assert check_clock(now=time.time()).status in ("ok", "warn")
+
+
+def test_invalid_config_fails_and_skips_the_rest(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('gateway_id = "bad id!"\n[mqtt]\nport = 99999\n')
+    code, checks, out = doctor(config)
+    assert code == 1
+    assert checks["config"]["status"] == "fail"
+    assert "gateway_id" in checks["config"]["detail"]
+    assert "mqtt.port" in checks["config"]["detail"]
+    assert checks["broker"]["status"] == "skip"
+    assert "fix: edit" in out
+
+
+def test_env_file_parsing(tmp_path: Path) -> None:
+    f = tmp_path / "env"
+    f.write_text("# c\n\nA=1\nB=\"two words\"\n; other comment\nC='x=y'\nnot a pair\n")
+    assert read_env_file(f) == {"A": "1", "B": "two words", "C": "x=y"}
+
+
+@pytest.mark.iggy
+def test_iggy_login_and_permissions(tmp_path: Path, broker: Broker, iggy_server: Any) -> None:
+    extra = f'[iggy]\nkind = "iggy"\naddress = "{iggy_server.address}"\nusername = "{iggy_server.username}"\n'
+    config = write_config(tmp_path, port=broker.port, extra=extra)
+    code, checks, _ = doctor(config, env={"IGGY_PASSWORD": iggy_server.password})
+    assert checks["iggy"]["status"] == "ok", checks["iggy"]
+    assert checks["iggy permissions"]["status"] == "ok", checks["iggy permissions"]
+    assert code == 0
+    code, checks, out = doctor(config, env={"IGGY_PASSWORD": "not-the-password"})
+    assert code == 1
+    assert checks["iggy"]["status"] == "fail"
+    assert "IGGY_PASSWORD" in out
