@@ -1,3 +1,4 @@
+# ruff: noqa: F821 - metadata/require/package are provided by the manifest tool
 # Manifest for freezing the library into a firmware build or for mip:
 #   include("$(PORT_DIR)/boards/manifest.py")
 #   include("/path/to/iggy-edge/device/manifest.py")

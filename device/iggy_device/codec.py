@@ -49,7 +49,7 @@ def parse_command(raw):
     try:
         doc = json.loads(raw)
     except ValueError:
-        raise CommandError(None, "payload is not JSON")
+        raise CommandError(None, "payload is not JSON") from None
     if not isinstance(doc, dict):
         raise CommandError(None, "command must be a JSON object")
     cid = doc.get("id")

@@ -53,10 +53,24 @@ class Config:
             v = merged[k]
             if not isinstance(v, str) or not v or "/" in v or "+" in v or "#" in v:
                 raise ConfigError(k + " must be a non-empty string without / + #")
-        for k in ("port", "keepalive", "ring_bytes", "segment_bytes", "seq_block",
-                  "backoff_base_ms", "backoff_max_ms", "period_ms", "cycles", "wdt_ms",
-                  "wifi_timeout_ms", "drain_per_poll", "awake_ms", "upload_every",
-                  "cursor_every", "socket_timeout_s"):
+        for k in (
+            "port",
+            "keepalive",
+            "ring_bytes",
+            "segment_bytes",
+            "seq_block",
+            "backoff_base_ms",
+            "backoff_max_ms",
+            "period_ms",
+            "cycles",
+            "wdt_ms",
+            "wifi_timeout_ms",
+            "drain_per_poll",
+            "awake_ms",
+            "upload_every",
+            "cursor_every",
+            "socket_timeout_s",
+        ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")
         for k in merged:
@@ -73,7 +87,7 @@ def load(path="config.json", local="config.local.json"):
         try:
             doc = json.loads(raw)
         except ValueError:
-            raise ConfigError(p + " is not valid JSON")
+            raise ConfigError(p + " is not valid JSON") from None
         if not isinstance(doc, dict):
             raise ConfigError(p + " must hold a JSON object")
         values.update(doc)

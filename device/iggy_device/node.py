@@ -130,8 +130,16 @@ class Device:
         self._up = {}
         self._config_path = d + "/desired.json"
         self._config_raw = fsutil.read(self._config_path)
-        self.stats = {"connects": 0, "conn_failures": 0, "sent": 0, "buffered": 0,
-                      "commands": 0, "duplicates": 0, "bad_messages": 0, "inbox_full": 0}
+        self.stats = {
+            "connects": 0,
+            "conn_failures": 0,
+            "sent": 0,
+            "buffered": 0,
+            "commands": 0,
+            "duplicates": 0,
+            "bad_messages": 0,
+            "inbox_full": 0,
+        }
 
     # -- application API --------------------------------------------------------
     def command(self, name):

@@ -102,9 +102,10 @@ def compensate(cal, adc_t, adc_p, adc_h=None):
     hum = None
     if adc_h is not None and cal.has_h:
         x = t_fine - 76800
-        x = (((((adc_h << 14) - (cal.H4 << 20) - (cal.H5 * x)) + 16384) >> 15)
-             * (((((((x * cal.H6) >> 10) * (((x * cal.H3) >> 11) + 32768)) >> 10) + 2097152)
-                 * cal.H2 + 8192) >> 14))
+        x = ((((adc_h << 14) - (cal.H4 << 20) - (cal.H5 * x)) + 16384) >> 15) * (
+            ((((((x * cal.H6) >> 10) * (((x * cal.H3) >> 11) + 32768)) >> 10) + 2097152) * cal.H2 + 8192)
+            >> 14
+        )
         x = x - (((((x >> 15) * (x >> 15)) >> 7) * cal.H1) >> 4)
         x = 0 if x < 0 else x
         x = 419430400 if x > 419430400 else x

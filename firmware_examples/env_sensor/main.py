@@ -16,8 +16,9 @@ from iggy_device.node import Device
 
 def find_sensor(app, log):
     try:
-        i2c = I2C(app.get("i2c_bus", 0), scl=Pin(app.get("scl", 22)), sda=Pin(app.get("sda", 21)),
-                  freq=100000)
+        i2c = I2C(
+            app.get("i2c_bus", 0), scl=Pin(app.get("scl", 22)), sda=Pin(app.get("sda", 21)), freq=100000
+        )
         s = bme280.probe(i2c)
         if s is not None:
             log("sensor: BME280" if s.chip == bme280.CHIP_BME280 else "sensor: BMP280")
@@ -53,10 +54,12 @@ class Simulated:
     def read(self):
         self.k += 1
         x = self.k / 60
-        return {"temp_c": round(21 + 2 * math.sin(x), 2),
-                "humidity_pct": round(45 + 5 * math.cos(x), 2),
-                "pressure_pa": round(101325 + 80 * math.sin(x / 3), 1),
-                "sim": 1}
+        return {
+            "temp_c": round(21 + 2 * math.sin(x), 2),
+            "humidity_pct": round(45 + 5 * math.cos(x), 2),
+            "pressure_pa": round(101325 + 80 * math.sin(x / 3), 1),
+            "sim": 1,
+        }
 
 
 def main():
@@ -69,6 +72,7 @@ def main():
     if sensor is None:
         read = Simulated().read
     else:
+
         def read():
             try:
                 return sensor()
