@@ -1,0 +1,408 @@
+"""The Debian package (built, inspected, installed with dpkg, removed, purged),
+the systemd unit (systemd-analyze verify), `service install`, and the
+Mosquitto snippet (accepted by Mosquitto, refuses anonymous clients)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from iggy_edge.cli.main import app
+from iggy_edge.cli.service import UNIT, render_unit
+from iggy_edge.runtime import Agent
+from typer.testing import CliRunner
+
+from tests.support.broker import mosquitto_binary
+from tests.support.ports import free_port, wait_port
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "packaging" / "deb" / "build.sh"
+UNIT_FILE = REPO / "packaging" / "systemd" / "iggy-edge.service"
+SNIPPET = REPO / "packaging" / "mosquitto" / "iggy-edge.conf"
+VERSION = "0.1.0"
+runner = CliRunner()
+
+
+def build(out: Path, arch: str) -> Path:
+    if shutil.which("dpkg-deb") is None:
+        pytest.fail("dpkg-deb is missing: run .ci/setup")
+    done = subprocess.run(
+        [str(BUILD), "--arch", arch, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    deb = out / f"iggy-edge_{VERSION}_{arch}.deb"
+    assert deb.exists(), done.stdout
+    return deb
+
+
+def deb_field(deb: Path, name: str) -> str:
+    return subprocess.run(
+        ["dpkg-deb", "-f", str(deb), name], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def deb_files(deb: Path) -> list[str]:
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    return [line.split()[5] for line in listing.splitlines()]
+
+
+def control_file(deb: Path, name: str, tmp: Path) -> str:
+    ctl = tmp / "control"
+    subprocess.run(["dpkg-deb", "-e", str(deb), str(ctl)], check=True)
+    return (ctl / name).read_text()
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    """dpkg -i changes the machine: one such test at a time, across pytest runs."""
+    with open(Path(tempfile.gettempdir()) / "iggy-edge-dpkg-test.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def installed(package: str = "iggy-edge") -> bool:
+    q = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True, check=False
+    ).stdout
+    return "installed" in q and "not-installed" not in q
+
+
+def test_unit_file_and_service_install_template_are_identical() -> None:
+    assert UNIT_FILE.read_text() == UNIT
+    assert render_unit("/opt/iggy-edge/venv/bin/iggy-edge", Path("/etc/iggy-edge/config.toml")) == UNIT
+    home = render_unit("/home/pi/venv/bin/iggy-edge", Path("/home/pi/edge.toml"))
+    assert "ExecStart=/home/pi/venv/bin/iggy-edge run -c /home/pi/edge.toml" in home
+    assert "ProtectHome=read-only" in home
+    assert "ProtectHome=yes" not in home
+
+
+def test_unit_settings() -> None:
+    lines = set(UNIT.splitlines())
+    for wanted in (
+        "Type=notify",
+        "User=iggy-edge",
+        "StateDirectory=iggy-edge",
+        "ConfigurationDirectory=iggy-edge",
+        "Restart=on-failure",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+        "PrivateTmp=yes",
+        "ProtectHome=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "EnvironmentFile=-/etc/iggy-edge/env",
+        "ExecStart=/opt/iggy-edge/venv/bin/iggy-edge run -c /etc/iggy-edge/config.toml",
+    ):
+        assert wanted in lines, wanted
+    stop = int(next(x for x in lines if x.startswith("TimeoutStopSec=")).split("=")[1])
+    default_shutdown = Agent.__init__.__kwdefaults__["shutdown_timeout_s"]  # type: ignore[index]
+    assert stop > default_shutdown
+    assert int(next(x for x in lines if x.startswith("WatchdogSec=")).split("=")[1]) >= 10
+
+
+def systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (apt install systemd); the unit is not verified here")
+    return tool
+
+
+def verify_unit(unit_text: str, tmp: Path) -> None:
+    unit = tmp / "iggy-edge.service"
+    unit.write_text(unit_text)
+    done = subprocess.run(
+        [systemd_analyze(), "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "iggy-edge.service" not in done.stderr, done.stderr  # no warnings about our unit
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "iggy-edge")
+    verify_unit(render_unit(exe, tmp_path / "config.toml"), tmp_path)
+
+
+def test_service_install_dry_run_and_into_a_root(tmp_path: Path) -> None:
+    dry = runner.invoke(app, ["service", "install", "--dry-run", "-c", "/etc/iggy-edge/config.toml"])
+    assert dry.exit_code == 0, dry.output
+    assert "would write /etc/systemd/system/iggy-edge.service" in dry.stdout
+    assert "would systemctl enable iggy-edge.service" in dry.stdout
+    assert (
+        f"ExecStart={Path(sys.executable).parent / 'iggy-edge'} run -c /etc/iggy-edge/config.toml"
+        in dry.stdout
+    )
+    assert not Path("/etc/systemd/system/iggy-edge.service").exists() or installed()
+
+    root = tmp_path / "image"
+    done = runner.invoke(app, ["service", "install", "--root", str(root), "-c", "/etc/iggy-edge/config.toml"])
+    assert done.exit_code == 0, done.output
+    unit = root / "etc/systemd/system/iggy-edge.service"
+    assert "ExecStart=" + str(Path(sys.executable).parent / "iggy-edge") in unit.read_text()
+    config = root / "etc/iggy-edge/config.toml"
+    assert runner.invoke(app, ["config", "check", str(config)]).exit_code == 0
+    assert (root / "var/lib/iggy-edge").stat().st_mode & 0o777 == 0o750
+    gone = runner.invoke(app, ["service", "uninstall", "--root", str(root)])
+    assert gone.exit_code == 0, gone.output
+    assert not unit.exists()
+    assert config.exists()  # config and buffer are kept
+
+
+def test_service_install_without_root_or_systemd_says_why() -> None:
+    exe = str(Path(sys.executable).parent / "iggy-edge")
+    nobody = subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", exe, "service", "install"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "Permission denied" in nobody.stderr and "needs root" not in nobody.stderr:
+        pytest.skip(f"the venv is not readable by nobody: {nobody.stderr.strip()[:200]}")
+    assert nobody.returncode == 1
+    assert "needs root: run it with sudo" in nobody.stderr
+    if Path("/run/systemd/system").is_dir():
+        pytest.skip("systemd runs here: not testing the no-systemd error (install would really install)")
+    as_root = runner.invoke(app, ["service", "install"])
+    assert as_root.exit_code == 1
+    assert "systemd is not running on this machine" in as_root.stderr
+
+
+def test_mosquitto_snippet_is_accepted_and_refuses_anonymous(tmp_path: Path) -> None:
+    binary = mosquitto_binary()
+    assert binary is not None
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="iggy-edge-mosq-"))  # mosquitto drops to its user
+    try:
+        workdir.chmod(0o755)
+        pw = workdir / "passwd"
+        pw.touch()
+        subprocess.run(["mosquitto_passwd", "-b", str(pw), "iggy-edge", "pw-123456"], check=True)
+        pw.chmod(0o644)
+        snippet = SNIPPET.read_text().replace("listener 1883", f"listener {port} 127.0.0.1")
+        snippet = snippet.replace("/etc/mosquitto/iggy-edge.passwd", str(pw))
+        # Debian's main mosquitto.conf plus our snippet, as include_dir combines them.
+        conf = workdir / "mosquitto.conf"
+        conf.write_text(f"persistence true\npersistence_location {workdir}/\n{snippet}")
+        proc = subprocess.Popen(
+            [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_port(port)
+            pub = [
+                "mosquitto_pub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-t",
+                "edge/x/up/t",
+                "-m",
+                "1",
+                "-q",
+                "1",
+            ]
+            assert subprocess.run(pub, capture_output=True, check=False).returncode != 0
+            ok = subprocess.run(
+                [*pub, "-u", "iggy-edge", "-P", "pw-123456"], capture_output=True, check=False
+            )
+            assert ok.returncode == 0, ok.stderr
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_arm64_package_carries_aarch64_wheels(tmp_path: Path) -> None:
+    deb = build(tmp_path, "arm64")
+    assert deb_field(deb, "Architecture") == "arm64"
+    files = deb_files(deb)
+    natives = [f for f in files if f.endswith(".whl") and "manylinux" in f]
+    assert natives, files
+    assert all("aarch64" in f for f in natives), natives
+    assert any("apache_iggy" in f and "cp311" in f for f in natives)
+    assert any("pydantic_core" in f and "cp313" in f for f in natives)
+
+
+@pytest.mark.slow
+def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
+    deb = build(tmp_path, "amd64")
+    # -- contents and metadata
+    assert deb_field(deb, "Package") == "iggy-edge"
+    assert deb_field(deb, "Version") == VERSION
+    assert deb_field(deb, "Architecture") == "amd64"
+    assert "python3-venv" in deb_field(deb, "Depends")
+    assert "mosquitto" in deb_field(deb, "Recommends")
+    files = deb_files(deb)
+    for wanted in (
+        "./lib/systemd/system/iggy-edge.service",
+        "./etc/iggy-edge/config.toml",
+        "./etc/mosquitto/conf.d/iggy-edge.conf",
+        f"./opt/iggy-edge/wheels/iggy_edge-{VERSION}-py3-none-any.whl",
+        "./usr/share/doc/iggy-edge/operations.md",
+        "./usr/bin/iggy-edge",
+    ):
+        assert wanted in files, wanted
+    assert any("x86_64" in f for f in files if "apache_iggy" in f)
+    assert not any("/venv/" in f for f in files)  # built by postinst on the target
+    conffiles = control_file(deb, "conffiles", tmp_path).split()
+    assert conffiles == ["/etc/iggy-edge/config.toml", "/etc/mosquitto/conf.d/iggy-edge.conf"]
+    postinst = control_file(deb, "postinst", tmp_path)
+    assert "adduser --system" in postinst
+    assert "--no-index --find-links" in postinst
+    assert f"VERSION={VERSION}\n" in postinst
+    assert '"iggy-edge==$VERSION"' in postinst
+    assert "deb-systemd-helper" in postinst
+    postrm = control_file(deb, "postrm", tmp_path)
+    assert "deluser" in postrm
+    assert "rm -rf /var/lib/iggy-edge" in postrm
+    for script in ("postinst", "prerm", "postrm"):
+        path = tmp_path / "control" / script
+        assert os.access(path, os.X_OK), script
+        assert subprocess.run(["sh", "-n", str(path)], check=False).returncode == 0
+
+    # -- install into this machine
+    if os.geteuid() != 0:
+        pytest.skip("dpkg -i needs root; the package was built and inspected")
+    with machine_lock():
+        if installed():
+            pytest.skip("iggy-edge is already installed on this machine; not touching it")
+        try:
+            done = subprocess.run(["dpkg", "-i", str(deb)], capture_output=True, text=True, check=False)
+            assert done.returncode == 0, done.stdout + done.stderr
+            exe = "/opt/iggy-edge/venv/bin/iggy-edge"
+            version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+            assert version.stdout.strip() == f"iggy-edge {VERSION}"
+            check = subprocess.run(
+                ["/usr/bin/iggy-edge", "config", "check", "/etc/iggy-edge/config.toml"],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+            assert check.returncode == 0, check.stdout + check.stderr
+            assert "ok" in check.stdout
+            user = pwd.getpwnam("iggy-edge")
+            assert user.pw_shell == "/usr/sbin/nologin"
+            state = Path("/var/lib/iggy-edge")
+            assert state.stat().st_uid == user.pw_uid
+            assert state.stat().st_mode & 0o777 == 0o750
+            env = Path("/etc/iggy-edge/env")
+            assert env.stat().st_mode & 0o777 == 0o600
+            secret = next(
+                line.split("=", 1)[1]
+                for line in env.read_text().splitlines()
+                if line.startswith("IGGY_EDGE_MQTT_PASSWORD=")
+            )
+            assert len(secret) >= 24
+            passwd = Path("/etc/mosquitto/iggy-edge.passwd").read_text()
+            assert passwd.startswith("iggy-edge:$7$101$")
+            assert secret not in passwd
+            if _has_group("mosquitto"):
+                assert (
+                    Path("/etc/mosquitto/iggy-edge.passwd").stat().st_gid == grp.getgrnam("mosquitto").gr_gid
+                )
+            assert Path("/etc/systemd/system/multi-user.target.wants/iggy-edge.service").is_symlink()
+            if shutil.which("systemd-analyze"):
+                verify = subprocess.run(
+                    ["systemd-analyze", "verify", "/lib/systemd/system/iggy-edge.service"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                assert verify.returncode == 0, verify.stderr
+            _generated_credentials_work(secret)
+
+            # -- remove: program gone, configuration and buffer kept
+            done = subprocess.run(["dpkg", "-r", "iggy-edge"], capture_output=True, text=True, check=False)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert not Path("/opt/iggy-edge").exists()
+            assert not Path("/usr/bin/iggy-edge").is_symlink()
+            assert Path("/etc/iggy-edge/config.toml").exists()
+            assert env.exists()
+            assert state.exists()
+        finally:
+            purge = subprocess.run(
+                ["dpkg", "--purge", "iggy-edge"], capture_output=True, text=True, check=False
+            )
+        assert purge.returncode == 0, purge.stdout + purge.stderr
+        for path in (
+            "/opt/iggy-edge",
+            "/etc/iggy-edge",
+            "/var/lib/iggy-edge",
+            "/etc/mosquitto/iggy-edge.passwd",
+            "/etc/mosquitto/conf.d/iggy-edge.conf",
+            "/lib/systemd/system/iggy-edge.service",
+            "/etc/systemd/system/multi-user.target.wants/iggy-edge.service",
+        ):
+            assert not Path(path).exists(), path
+        with pytest.raises(KeyError):
+            pwd.getpwnam("iggy-edge")
+        assert not installed()
+
+
+def _has_group(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _generated_credentials_work(secret: str) -> None:
+    """The installed snippet + generated password file let the agent's user in."""
+    binary = mosquitto_binary()
+    assert binary is not None
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="iggy-edge-mosq-"))
+    try:
+        workdir.chmod(0o755)
+        snippet = Path("/etc/mosquitto/conf.d/iggy-edge.conf").read_text()
+        conf = workdir / "mosquitto.conf"
+        conf.write_text(
+            f"persistence true\npersistence_location {workdir}/\n"
+            + snippet.replace("listener 1883", f"listener {port} 127.0.0.1")
+        )
+        proc = subprocess.Popen(
+            [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_port(port)
+            pub = [
+                "mosquitto_pub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-t",
+                "t",
+                "-m",
+                "1",
+                "-u",
+                "iggy-edge",
+            ]
+            ok = subprocess.run([*pub, "-P", secret], capture_output=True, text=True, check=False)
+            assert ok.returncode == 0, ok.stderr
+            bad = subprocess.run([*pub, "-P", secret + "x"], capture_output=True, text=True, check=False)
+            assert bad.returncode != 0
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
