@@ -7,6 +7,7 @@ broker the way a gateway runs it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -40,8 +41,12 @@ class Broker:
     def write_conf(self) -> Path:
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "mosquitto.conf"
+        # As root, mosquitto drops to the `mosquitto` user, which cannot write
+        # the test's private temp dir: no persistence, no log.  Stay root then.
+        run_as = "user root\n" if os.geteuid() == 0 else ""
         conf.write_text(
-            f"""\
+            run_as
+            + f"""\
 listener {self.port} 127.0.0.1
 allow_anonymous true
 persistence true
@@ -63,7 +68,9 @@ log_type notice
         if binary is None:
             raise RuntimeError("mosquitto is not installed (run .ci/setup)")
         conf = self.write_conf()
-        self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         try:
             wait_port(self.port)
         except TimeoutError:
@@ -79,6 +86,8 @@ log_type notice
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()  # else an unclosed-file ResourceWarning fails the test
         self.proc = None
 
     def restart(self) -> None:

@@ -48,8 +48,10 @@ def _start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
         raise typer.Exit(1)
     port = _free_port()
     conf = workdir / "mosquitto.conf"
+    # As root, mosquitto would drop to its own user, which cannot write our temp dir.
+    run_as = "user root\n" if os.geteuid() == 0 else ""
     conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+        f"{run_as}listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
         f"persistence_location {workdir}/\nmax_queued_messages 1000000\nmax_inflight_messages 0\n"
         f"log_dest file {workdir}/mosquitto.log\n"
     )
