@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from apache_iggy import Durability
+from apache_iggy import Consumer, Durability, PollingStrategy
 from iggy_edge.config import IggySettings
 from iggy_edge.records import (
     HEADER_GATEWAY,
@@ -29,7 +29,9 @@ from iggy_edge.uplink.iggy import (
     _Connection,
     classify,
     decode_consumer_offset,
+    encode_create_topic,
     encode_get_consumer_offset,
+    encode_store_consumer_offset,
 )
 from iggy_edge.uplink.partition import partition_for
 from iggy_edge.uplink.protocol import (
@@ -40,7 +42,7 @@ from iggy_edge.uplink.protocol import (
 )
 from pydantic import SecretStr
 
-from tests.support.iggy_server import IggyServer
+from tests.support.iggy_server import IggyServer, iggy_tls_server  # noqa: F401 -- fixture
 from tests.support.ports import free_port
 
 GW = "gw-test"
@@ -108,16 +110,29 @@ def test_timeouts_are_ambiguous_and_os_errors_unavailable() -> None:
     assert classify(ConnectionRefusedError()) is UplinkUnavailable
 
 
-def test_get_consumer_offset_wire_format() -> None:
-    # kind 2 (group) + string identifier (kind 2, len, bytes) x3 + flag + u32 LE
-    assert encode_get_consumer_offset("g", "edge", "cmd", 5) == (
-        b"\x02" + b"\x02\x01g" + b"\x02\x04edge" + b"\x02\x03cmd" + b"\x01\x05\x00\x00\x00"
-    )
+def test_consumer_offset_wire_format() -> None:
+    # kind 1 (single consumer) + string identifier (kind 2, len, bytes) x3 + flag + u32 LE
+    get = b"\x01" + b"\x02\x01g" + b"\x02\x04edge" + b"\x02\x03cmd" + b"\x01\x05\x00\x00\x00"
+    assert encode_get_consumer_offset("g", "edge", "cmd", 5) == get
+    # ... + offset u64 LE + ack level (1 = quorum)
+    assert encode_store_consumer_offset("g", "edge", "cmd", 5, 7) == get + (7).to_bytes(8, "little") + b"\x01"
     reply = (1).to_bytes(4, "little") + (9).to_bytes(8, "little") + (7).to_bytes(8, "little")
     assert decode_consumer_offset(reply) == 7
     assert decode_consumer_offset(b"") is None
     with pytest.raises(ValueError, match="20"):
         decode_consumer_offset(b"\x00" * 5)
+
+
+def test_create_topic_wire_format() -> None:
+    # stream identifier, partitions u32 LE, name (len u8 + bytes), options as
+    # (key kind, key len u32 LE, key, value kind, value len u32 LE, value)
+    assert encode_create_topic("edge", "t", 3, [("enforce_fsync", "true")]) == (
+        b"\x02\x04edge"
+        + b"\x03\x00\x00\x00"
+        + b"\x01t"
+        + b"\x02\x0d\x00\x00\x00enforce_fsync"
+        + b"\x02\x04\x00\x00\x00true"
+    )
 
 
 class FakeWorld:
@@ -134,6 +149,8 @@ class FakeWorld:
         self.clients: list[FakeClient] = []
         self.refuse = False
         self.password = "pw"
+        self.knows_durability = True  # False: like server 0.9.0-edge.5
+        self.binary_requests: list[tuple[int, bytes]] = []
 
     def factory(self, config: object) -> FakeClient:
         c = FakeClient(self)
@@ -172,10 +189,26 @@ class FakeClient:
     async def create_topic(
         self, stream: str, name: str, partitions_count: int, durability: object = None
     ) -> None:
+        if not self.w.knows_durability:
+            raise RuntimeError("Unsupported option key: ")
         if (stream, name) in self.w.topics:
             raise RuntimeError(f"Topic with name: {name} for stream with ID: 1 already exists.")
         self.w.topics[(stream, name)] = partitions_count
         self.w.created_topics.append((stream, name, partitions_count, durability))
+
+    async def send_binary_request(self, code: int, payload: bytes) -> bytes:
+        self.w.binary_requests.append((code, payload))
+        if code == iggy_module.CREATE_TOPIC_CODE:
+            # stream identifier (kind, len, name), partitions u32, name (len, bytes)
+            n = payload[1]
+            stream = payload[2 : 2 + n].decode()
+            pos = 2 + n
+            partitions = int.from_bytes(payload[pos : pos + 4], "little")
+            length = payload[pos + 4]
+            name = payload[pos + 5 : pos + 5 + length].decode()
+            self.w.topics[(stream, name)] = partitions
+            self.w.created_topics.append((stream, name, partitions, payload[pos + 5 + length :]))
+        return b""
 
     async def send_messages(
         self, stream: str, topic: str, partition: int, messages: list[OutboundRecord]
@@ -219,6 +252,22 @@ async def test_fake_create_missing_uses_persisted_durability(fake: FakeWorld) ->
     off = IggyUplink(fake_settings(create_missing=False), GW, client_factory=fake.factory)
     with pytest.raises(UplinkRejected, match="create_missing"):
         await off.send([rec(1, "a", topic="acks")])
+
+
+async def test_fake_server_without_durability_keys_gets_fsync_options(fake: FakeWorld) -> None:
+    # Server 0.9.0-edge.5 refuses the durability keys SDK 0.9.0 sends
+    # ("Unsupported option key"); the topic is then created by a raw request
+    # asking for fsync and a flush per message.
+    fake.knows_durability = False
+    up = IggyUplink(fake_settings(), GW, topics=[("edge", "telemetry")], client_factory=fake.factory)
+    await up.start()
+    bare = encode_create_topic("edge", "telemetry", 3)
+    full = encode_create_topic(
+        "edge", "telemetry", 3, [("enforce_fsync", "true"), ("messages_required_to_save", "1")]
+    )
+    assert fake.binary_requests == [(iggy_module.CREATE_TOPIC_CODE, full)]
+    assert fake.created_topics == [("edge", "telemetry", 3, full[len(bare) :])]
+    assert len(fake.clients) == 1  # a refused option is an answer, not a broken connection
 
 
 async def test_fake_send_groups_by_partition_one_request_each(fake: FakeWorld) -> None:
@@ -465,6 +514,20 @@ async def test_offset_mirror_is_stored_on_the_server_and_polling_resumes_after_i
     rest = await again.poll("edge", "commands", 1, stored + 1, 100)
     assert [m.offset for m in rest] == [4, 5, 6, 7, 8, 9]
     assert rest[0].payload == b'{"cmd": 4}'
+    # The cloud side's view: the server's own "next" for our consumer.
+    conn = _Connection(s, "test cloud")
+    client = await conn.client()
+    nxt = await client.poll_messages(
+        "edge",
+        "commands",
+        consumer=Consumer.Single(f"iggy-edge-{GW}"),
+        polling_strategy=PollingStrategy.Next(),
+        count=2,
+        auto_commit=False,
+        partition_id=1,
+    )
+    assert [m.offset() for m in nxt] == [4, 5]
+    await conn.close()
     # Offsets of other partitions and other gateways are separate.
     assert await again.read_mirrored_offset("edge", "commands", 0) is None
     other = IggyCommandSource(s, "gw-other", "iggy-edge-gw-other")
@@ -475,3 +538,78 @@ async def test_offset_mirror_is_stored_on_the_server_and_polling_resumes_after_i
     assert await again.read_mirrored_offset("edge", "commands", 1) == 5
     await again.close()
     await other.close()
+
+
+@pytest.mark.iggy
+async def test_topics_we_create_keep_confirmed_sends_across_a_kill(iggy_server: IggyServer) -> None:
+    # The server confirms a send once committed; with its defaults a committed
+    # message waits in memory until 1024 are pending, so SIGKILL loses it.
+    s = settings_for(iggy_server, partitions=1)
+    up = IggyUplink(s, GW, topics=[("edge", "telemetry")])
+    await up.start()
+    conn = _Connection(s, "test admin")
+    client = await conn.client()
+    topic = await client.get_topic("edge", "telemetry")
+    assert topic is not None
+    assert topic.options.to_scalar_dict() == {"enforce_fsync": True, "messages_required_to_save": 1}
+    await conn.close()
+    for i in range(1, 21):
+        await up.send([rec(i, "a")])
+    await up.close()
+
+    iggy_server.kill()
+    iggy_server.start()
+    source = IggyCommandSource(s, GW, "reader")
+    msgs = await source.poll("edge", "telemetry", 0, 0, 100)
+    await source.close()
+    assert [m.message_id & 0xFFFFFFFFFFFFFFFF for m in msgs] == list(range(1, 21))
+
+
+@pytest.mark.iggy
+async def test_frozen_server_times_out_within_request_timeout(iggy_server: IggyServer) -> None:
+    s = settings_for(iggy_server, request_timeout_s=1.5, connect_timeout_s=1.5)
+    up = IggyUplink(s, GW, topics=[("edge", "telemetry")])
+    await up.start()
+    await up.send([rec(1, "a")])
+    iggy_server.pause()
+    try:
+        t = time.monotonic()
+        with pytest.raises(UplinkAmbiguous, match="no answer within"):
+            await up.send([rec(2, "a")])
+        assert time.monotonic() - t < 1.5 + 0.5
+        # The next attempt reconnects: the port accepts, the login is never
+        # answered -> nothing was sent.
+        t = time.monotonic()
+        with pytest.raises(UplinkUnavailable):
+            await up.send([rec(2, "a")])
+        assert time.monotonic() - t < 1.5 + 0.5
+    finally:
+        iggy_server.resume()
+    await up.send([rec(3, "a")])
+    await up.close()
+
+
+@pytest.mark.iggy
+async def test_tls_validates_against_the_configured_ca(iggy_tls_server: IggyServer) -> None:  # noqa: F811
+    server = iggy_tls_server
+    assert server.tls is not None
+    ok = settings_for(server, tls=True, tls_ca_file=server.tls.ca_file)
+    up = IggyUplink(ok, GW, topics=[("edge", "telemetry")])
+    await up.start()
+    await up.send([rec(1, "a")])
+    await up.close()
+    named = settings_for(server, tls=True, tls_ca_file=server.tls.ca_file, tls_domain="localhost")
+    up = IggyUplink(named, GW)
+    await up.start()
+    await up.close()
+    # The certificate is validated: no CA (system roots), a wrong name, and
+    # plain TCP against the TLS port all fail as "unavailable", in time.
+    for bad in (
+        settings_for(server, tls=True),
+        settings_for(server, tls=True, tls_ca_file=server.tls.ca_file, tls_domain="example.com"),
+        settings_for(server),
+    ):
+        t = time.monotonic()
+        with pytest.raises(UplinkUnavailable):
+            await IggyUplink(bad, GW).start()
+        assert time.monotonic() - t < 5.0

@@ -20,7 +20,13 @@ IGGY_SYSTEM_MEMORY_POOL_SIZE           512 MiB (the minimum)
 =====================================  =====================================
 
 `IggyServer.stop()` / `start()` keep the data directory, so a test can take
-the server away and bring it back.
+the server away and bring it back; `kill()` takes it away without a clean
+shutdown and `pause()` / `resume()` freeze it (SIGSTOP/SIGCONT: connections
+stay open, nothing answers).
+
+With `tls` set (see `make_tls_files`, which needs the ``openssl`` command) the
+TCP listener speaks TLS only (IGGY_TCP_TLS_ENABLED, _SELF_SIGNED=false,
+_CERT_FILE, _KEY_FILE).
 """
 
 from __future__ import annotations
@@ -41,6 +47,51 @@ from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
 
 from .ports import free_port
 
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A throwaway CA and a server certificate for localhost / 127.0.0.1."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (
+        directory / n for n in ("ca.key", "ca.pem", "key.pem", "server.csr", "cert.pem")
+    )
+    ext = directory / "ext.cnf"
+    ext.write_text(
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n"
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    for cmd in (
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=iggy-edge test CA"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+        [
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            cert,
+            "-days",
+            "2",
+            "-extfile",
+            ext,
+        ],
+    ):
+        subprocess.run(["openssl", *map(str, cmd)], check=True, capture_output=True)
+    return TlsFiles(ca_file=ca, cert_file=cert, key_file=key)
+
+
 SKIP_REASON = "iggy-server not on PATH (build it from apache/iggy; see tests/support/iggy_server.py)"
 ROOT_USER = "iggy"
 ROOT_PASSWORD = "iggy-edge-test-secret"
@@ -56,6 +107,7 @@ class IggyServer:
     port: int = field(default_factory=free_port)
     username: str = ROOT_USER
     password: str = ROOT_PASSWORD
+    tls: TlsFiles | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -83,6 +135,15 @@ class IggyServer:
                 "IGGY_SYSTEM_MEMORY_POOL_SIZE": "512 MiB",  # the minimum; default 4 GiB
             }
         )
+        if self.tls is not None:
+            env.update(
+                {
+                    "IGGY_TCP_TLS_ENABLED": "true",
+                    "IGGY_TCP_TLS_SELF_SIGNED": "false",
+                    "IGGY_TCP_TLS_CERT_FILE": str(self.tls.cert_file),
+                    "IGGY_TCP_TLS_KEY_FILE": str(self.tls.key_file),
+                }
+            )
         return env
 
     def start(self, timeout: float = 60.0) -> IggyServer:
@@ -131,11 +192,18 @@ class IggyServer:
             TcpConfig(
                 server_address=self.address,
                 auto_login=AutoLogin.disabled(),
-                reconnection=TcpReconnectionConfig(enabled=True, max_retries=0),
+                reconnection=TcpReconnectionConfig(enabled=False),
+                tls_enabled=self.tls is not None,
+                tls_ca_file=str(self.tls.ca_file) if self.tls is not None else None,
             )
         )
-        await asyncio.wait_for(client.connect(), 2)
-        await asyncio.wait_for(client.login_user(self.username, self.password), 2)
+        try:
+            await asyncio.wait_for(client.connect(), 2)
+            await asyncio.wait_for(client.login_user(self.username, self.password), 2)
+        finally:
+            # Free the client inside the loop: a connected client still alive
+            # at interpreter exit can abort the process (SDK 0.9.0).
+            del client
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -147,12 +215,22 @@ class IggyServer:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # in case it was paused
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL: the server vanishes without closing connections cleanly."""
@@ -168,6 +246,20 @@ def iggy_server(tmp_path: Path) -> Iterator[IggyServer]:
     if iggy_server_binary() is None:
         pytest.skip(SKIP_REASON)
     server = IggyServer(tmp_path / "iggy").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def iggy_tls_server(tmp_path: Path) -> Iterator[IggyServer]:
+    """Like `iggy_server`, TLS only, with a CA of its own (`server.tls.ca_file`)."""
+    if iggy_server_binary() is None:
+        pytest.skip(SKIP_REASON)
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not on PATH (needed to make test certificates)")
+    server = IggyServer(tmp_path / "iggy", tls=make_tls_files(tmp_path / "tls")).start()
     try:
         yield server
     finally:

@@ -1,35 +1,65 @@
 """Uplink, command source and command sink over the apache-iggy SDK (0.9).
 
-Facts about SDK 0.9 / server 0.9 this module is built on, read from the SDK
-and server sources (tag server-0.9.0-edge.5).  tests/test_uplink_iggy.py holds
-the real-server tests that check them; they skip when `iggy-server` is not on
-PATH, and as of this writing they have not run against a server yet:
+Facts about SDK 0.9.0 / server 0.9.0-edge.5 this module is built on.  They
+were read from the sources first and then checked against a real server:
+tests/test_uplink_iggy.py holds the real-server tests (marked ``iggy``; they
+skip when `iggy-server` is not on PATH).
 
 Connection
     We build a `TcpConfig` rather than a connection string: the string form
     (``iggy+tcp://user:pass@host:port?tls=true&tls_domain=..&tls_ca_file=..``)
     is split on ``@``, ``:`` and ``&`` with no percent-decoding, so a password
     containing one of them cannot be expressed.  `TcpConfig` takes
-    ``tls_enabled``, ``tls_domain`` (empty = taken from the address) and
-    ``tls_ca_file``; the certificate is validated by default.
+    ``tls_enabled``, ``tls_domain`` (None or empty = taken from the address)
+    and ``tls_ca_file``; the certificate is validated by default (no CA file
+    means the system roots).  A failed TLS handshake (unknown CA, wrong name)
+    and plain TCP against a TLS port look like a down server ("Cannot
+    establish connection" / "Disconnected"); a missing CA file is "Invalid
+    TLS certificate path".
 
 Bounded calls
     By default the SDK reconnects forever, and with auto-login it *replays the
     request* after reconnecting, under a new session -- a send could be stored
     twice without us knowing.  We therefore turn auto-login off (we log in
-    ourselves), allow no reconnection retries, and wrap every call in
-    `asyncio.wait_for`.  After any failure the client is dropped and the next
+    ourselves), turn SDK reconnection off entirely, and wrap every call in
+    `asyncio.wait_for`.  ``max_retries=0`` is not enough: the SDK still makes
+    one redial inside the awaited request, after the ``reestablish_after``
+    cooldown (5 s), so a send to a stopped server hung for 5 s and then said
+    "Cannot establish connection" although it may have been written.  With
+    reconnection off it fails at once with "Disconnected".  After any
+    failure other than a server answer the client is dropped and the next
     call builds a fresh one.  One client per direction (uplink, command
     source, sink): the server handles one request at a time per connection.
+    A connected client still referenced at interpreter exit can abort the
+    process (SIGABRT, SDK 0.9.0), so `close()` logs out and lets go of it.
 
 Errors
     Every SDK error is a `RuntimeError` whose text is the server's or the
-    client's `IggyError` message.  `classify` maps those texts to
-    UplinkUnavailable (nothing was stored: not connected, cannot connect,
-    unauthenticated, not accepted), UplinkAmbiguous (the request may have been
-    written: ``Disconnected``, ``Connection closed``, a timeout, "transiently
-    not committed") and UplinkRejected (the server answered with an error a
-    retry will not fix).  "already exists" is recognised by its text.
+    client's `IggyError` message; over the binary protocol only the error
+    *code* comes back, so names inside the text are empty ("Stream with name:
+    already exists.", "Resource with key:  was not found." for a send to a
+    missing stream, topic or partition).  `classify` maps those texts to
+    UplinkUnavailable (nothing was stored: cannot connect, unauthenticated,
+    invalid credentials, not accepted), UplinkAmbiguous (the request may have
+    been written: ``Disconnected`` -- what a lost connection gives --,
+    ``Connection closed``, a timeout, "transiently not committed") and
+    UplinkRejected (the server answered with an error a retry will not fix).
+    "already exists" and "not found" are recognised by their text.  A
+    `ValueError` comes from SendMessage itself (empty payload, empty header
+    value) and never reaches the server.
+
+Topic creation
+    SDK 0.9.0's `create_topic` always sends the ``durability`` and
+    ``consumer_offset_durability`` option keys, which server 0.9.0-edge.5 does
+    not know: it refuses every create with "Unsupported option key".  We ask
+    for ``Durability.PERSISTED`` first (a server that knows the keys gets
+    them) and on that refusal send CREATE_TOPIC ourselves with the edge.5
+    options that mean the same: ``enforce_fsync=true`` and
+    ``messages_required_to_save=1``.  The server answers a send after
+    committing it, and a commit writes the partition's in-memory journal to
+    its segment only once that many messages are waiting (default 1024,
+    without fsync): with the defaults, 50 confirmed messages were gone after a
+    SIGKILL; with ours, every confirmed message survived.
 
 Timestamps
     `SendMessage(...)` stamps the message's origin timestamp with the current
@@ -41,22 +71,24 @@ Timestamps
     ``timestamp()`` is the server's append time (what `PolledMessage` carries).
 
 Offsets
-    The plain client has no ``store_consumer_offset``.  A consumer-group
-    consumer (`IggyClient.consumer_group(...)`) has ``store_offset``; the
-    server keys a group offset by the group, so one group per gateway
-    (``consumer_name``, e.g. ``iggy-edge-<gateway>``) gives the cloud side a
-    per-gateway "last consumed" offset for each partition.  We never poll
-    through the group: polls use a plain ``Consumer.Single`` with explicit
-    offsets and no auto-commit, and SQLite stays the source of truth.
-    `read_mirrored_offset` reads the stored value back with the raw
-    GET_CONSUMER_OFFSET command (code 120), since the Python SDK exposes no
-    ``get_consumer_offset``.
+    The Python SDK has no ``store_consumer_offset`` / ``get_consumer_offset``,
+    and the consumer-group route does not work on edge.5: the server fences
+    a group offset commit to a member that currently owns the partition, so a
+    group consumer that never joins gets "Resource with key:  was not found."
+    We send STORE_CONSUMER_OFFSET (121) and GET_CONSUMER_OFFSET (120) raw,
+    for the single consumer ``consumer_name`` (``iggy-edge-<gateway>``) --
+    the same consumer our polls name.  The server hashes a named consumer to
+    a stable id, keeps one offset per partition, lets it move backwards (our
+    SQLite offset is the truth) and refuses one beyond the partition's last
+    offset ("Invalid offset").  A ``PollingStrategy.Next`` poll by that
+    consumer resumes at the stored offset + 1, which is what the cloud side
+    sees.  Our own polls use explicit offsets and no auto-commit, so polling
+    stores nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import struct
 import time
@@ -64,12 +96,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Final, TypeVar
 
 from apache_iggy import (
-    AutoCommit,
     AutoLogin,
     Consumer,
     Durability,
     IggyClient,
-    IggyConsumer,
     PollingStrategy,
     ReceiveMessage,
     SendMessage,
@@ -97,7 +127,17 @@ T = TypeVar("T")
 ClientFactory = Callable[[TcpConfig], IggyClient]
 
 GET_CONSUMER_OFFSET_CODE: Final = 120
-_CONSUMER_GROUP_KIND: Final = 2
+STORE_CONSUMER_OFFSET_CODE: Final = 121
+CREATE_TOPIC_CODE: Final = 302
+_HEADER_STRING_KIND: Final = 2
+# Topic options (server 0.9.0-edge.5 catalog, `describe_options("topic")`)
+# that make a send's confirmation mean "on disk": the server answers a send
+# after committing it, and a commit flushes the partition's in-memory journal
+# to its segment only once `messages_required_to_save` messages are waiting
+# (default 1024) and fsyncs only with `enforce_fsync` (default false).
+_PERSIST_OPTIONS: Final = (("enforce_fsync", "true"), ("messages_required_to_save", "1"))
+_CONSUMER_KIND: Final = 1  # a single consumer (2 would be a consumer group)
+_ACK_QUORUM: Final = 1
 _IDENTIFIER_STRING_KIND: Final = 2
 
 # Texts of IggyError variants (core/common/src/error/iggy_error.rs), lower case.
@@ -143,6 +183,10 @@ def is_not_found(error: BaseException) -> bool:
     return "not found" in str(error).lower()
 
 
+def is_unsupported_option(error: BaseException) -> bool:
+    return "unsupported option key" in str(error).lower()
+
+
 class _Connection:
     """One logged-in SDK client, rebuilt after any failure.
 
@@ -167,11 +211,13 @@ class _Connection:
         return TcpConfig(
             server_address=s.address,
             auto_login=AutoLogin.disabled(),
-            # One pass over the endpoint, no retries: we reconnect ourselves
-            # on the next call, bounded, instead of inside an awaited request.
-            reconnection=TcpReconnectionConfig(
-                enabled=True, max_retries=0, interval=datetime.timedelta(milliseconds=200)
-            ),
+            # No SDK reconnection at all: a lost connection fails the request
+            # at once ("Disconnected") and we build a fresh client on the next
+            # call.  Checked against server 0.9.0-edge.5: even with
+            # max_retries=0 the SDK first waits out `reestablish_after` (5 s)
+            # inside the awaited request, then redials and would re-send the
+            # request on a new, unauthenticated session.
+            reconnection=TcpReconnectionConfig(enabled=False),
             tls_enabled=s.tls,
             tls_domain=s.tls_domain,
             tls_ca_file=str(s.tls_ca_file) if s.tls_ca_file is not None else None,
@@ -325,23 +371,31 @@ class _Topics:
         except UplinkRejected as e:
             if not is_already_exists(e):
                 raise
+        what = f"create topic {stream}/{topic}"
+        partitions = conn.settings.partitions
         try:
-            await conn.call(
-                f"create topic {stream}/{topic}",
-                client.create_topic(
-                    stream,
-                    topic,
-                    conn.settings.partitions,
-                    durability=Durability.PERSISTED,
-                ),
-                confirmed=confirmed,
-            )
-            log.info(
-                "iggy: created topic %s/%s with %d partitions, durability persisted",
-                stream,
-                topic,
-                conn.settings.partitions,
-            )
+            try:
+                await conn.call(
+                    what,
+                    client.create_topic(stream, topic, partitions, durability=Durability.PERSISTED),
+                    confirmed=confirmed,
+                )
+                how = "durability persisted"
+            except UplinkRejected as e:
+                if not is_unsupported_option(e):
+                    raise
+                # Server 0.9.0-edge.5 predates the durability keys SDK 0.9.0
+                # always sends (it answers "Unsupported option key").  Ask it
+                # for the same guarantee in its own terms, by a raw request.
+                await conn.call(
+                    what,
+                    client.send_binary_request(
+                        CREATE_TOPIC_CODE, encode_create_topic(stream, topic, partitions, _PERSIST_OPTIONS)
+                    ),
+                    confirmed=confirmed,
+                )
+                how = "enforce_fsync, messages_required_to_save=1"
+            log.info("iggy: created topic %s/%s with %d partitions (%s)", stream, topic, partitions, how)
         except UplinkRejected as e:
             if not is_already_exists(e):
                 raise
@@ -460,16 +514,59 @@ def _encode_identifier(name: str) -> bytes:
     return bytes((_IDENTIFIER_STRING_KIND, len(raw))) + raw
 
 
-def encode_get_consumer_offset(group: str, stream: str, topic: str, partition_id: int) -> bytes:
-    """Payload of GET_CONSUMER_OFFSET (binary protocol 0.9): consumer
-    (kind u8 + identifier), stream and topic identifiers (kind u8, length u8,
-    bytes), then a partition flag u8 and the partition id u32 little-endian."""
+def _encode_option(key: str, value: str) -> bytes:
+    k, v = key.encode(), value.encode()
     return (
-        bytes((_CONSUMER_GROUP_KIND,))
-        + _encode_identifier(group)
+        bytes((_HEADER_STRING_KIND,))
+        + struct.pack("<I", len(k))
+        + k
+        + bytes((_HEADER_STRING_KIND,))
+        + struct.pack("<I", len(v))
+        + v
+    )
+
+
+def encode_create_topic(
+    stream: str, topic: str, partitions: int, options: Iterable[tuple[str, str]] = ()
+) -> bytes:
+    """Payload of CREATE_TOPIC (binary protocol 0.9): stream identifier,
+    partitions count u32 LE, name (length u8 + bytes), then the options block:
+    entries of key kind u8, key length u32 LE, key, value kind u8, value
+    length u32 LE, value (the user-header codec), string-typed here -- the
+    server parses string values of every catalog key."""
+    name = topic.encode()
+    if not 1 <= len(name) <= 255:
+        raise ValueError(f"topic name must be 1-255 bytes: {topic!r}")
+    return (
+        _encode_identifier(stream)
+        + struct.pack("<I", partitions)
+        + bytes((len(name),))
+        + name
+        + b"".join(_encode_option(k, v) for k, v in options)
+    )
+
+
+def encode_get_consumer_offset(consumer: str, stream: str, topic: str, partition_id: int) -> bytes:
+    """Payload of GET_CONSUMER_OFFSET (binary protocol 0.9): consumer kind u8
+    (1 = single consumer) and identifier, stream and topic identifiers (kind
+    u8, length u8, bytes), then a partition flag u8 and the partition id u32
+    little-endian."""
+    return (
+        bytes((_CONSUMER_KIND,))
+        + _encode_identifier(consumer)
         + _encode_identifier(stream)
         + _encode_identifier(topic)
         + struct.pack("<BI", 1, partition_id)
+    )
+
+
+def encode_store_consumer_offset(
+    consumer: str, stream: str, topic: str, partition_id: int, offset: int
+) -> bytes:
+    """Payload of STORE_CONSUMER_OFFSET: the GET_CONSUMER_OFFSET payload, then
+    the offset u64 and the ack level u8 (1 = quorum) little-endian."""
+    return encode_get_consumer_offset(consumer, stream, topic, partition_id) + struct.pack(
+        "<QB", offset, _ACK_QUORUM
     )
 
 
@@ -489,9 +586,8 @@ class IggyCommandSource:
 
     `poll` reads with a plain consumer (``Consumer.Single(consumer_name)``),
     ``PollingStrategy.Offset`` and no auto-commit: the server stores nothing
-    when we poll.  `mirror_offset` stores the offset through a consumer-group
-    consumer of the group ``consumer_name`` (created when missing, never
-    joined for polling), see the module docstring.
+    when we poll.  `mirror_offset` stores the offset of that same consumer
+    with a raw STORE_CONSUMER_OFFSET, see the module docstring.
     """
 
     def __init__(
@@ -507,7 +603,6 @@ class IggyCommandSource:
         self.consumer_name = consumer_name
         self._conn = _Connection(settings, "command source", client_factory)
         self._topics = _Topics(self._conn)
-        self._group_consumers: dict[tuple[str, str], tuple[int, IggyConsumer]] = {}
 
     async def start(self) -> None:
         await self._conn.client()
@@ -545,48 +640,12 @@ class IggyCommandSource:
             for m in messages
         ]
 
-    async def _group_consumer(self, stream: str, topic: str) -> IggyConsumer:
-        cached = self._group_consumers.get((stream, topic))
-        if cached is not None and cached[0] == self._conn.generation:
-            return cached[1]
-        client = await self._conn.client()
-        await self._topics.partitions(stream, topic)
-        try:
-            await self._conn.call(
-                f"create consumer group {self.consumer_name} on {stream}/{topic}",
-                client.create_consumer_group(stream, topic, self.consumer_name),
-            )
-            log.info("iggy: created consumer group %s on %s/%s", self.consumer_name, stream, topic)
-        except UplinkRejected as e:
-            if not is_already_exists(e):
-                raise
-        consumer = await self._conn.call(
-            f"open offset mirror of group {self.consumer_name} on {stream}/{topic}",
-            client.consumer_group(
-                self.consumer_name,
-                stream,
-                topic,
-                auto_commit=AutoCommit.Disabled(),
-                # Created above.  Not joined: we never poll through the group,
-                # and a member would take part in partition assignment.  With
-                # auto-join off the SDK would not create the group either, and
-                # an offset stored for a group that does not exist cannot be
-                # read back (the server resolves groups by name).
-                create_consumer_group_if_not_exists=False,
-                auto_join_consumer_group=False,
-                # Our SQLite offset is the truth: let it move backwards too
-                # (the SDK otherwise skips storing an offset <= the last one).
-                allow_replay=True,
-            ),
-        )
-        self._group_consumers[(stream, topic)] = (self._conn.generation, consumer)
-        return consumer
-
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
-        consumer = await self._group_consumer(stream, topic)
+        client = await self._conn.client()
+        payload = encode_store_consumer_offset(self.consumer_name, stream, topic, partition_id, offset)
         await self._conn.call(
             f"store offset {offset} of {stream}/{topic}/{partition_id}",
-            consumer.store_offset(offset, partition_id),
+            client.send_binary_request(STORE_CONSUMER_OFFSET_CODE, payload),
         )
 
     async def read_mirrored_offset(self, stream: str, topic: str, partition_id: int) -> int | None:
@@ -601,7 +660,6 @@ class IggyCommandSource:
         return decode_consumer_offset(reply)
 
     async def close(self) -> None:
-        self._group_consumers.clear()
         await self._conn.close()
 
 
