@@ -203,14 +203,51 @@ class ForwardSettings(_Model):
 
 
 class DownlinkSettings(_Model):
+    """Return path (see docs/return-path.md).  Each gateway reads its own
+    Iggy topics ``{commands_topic}.{gateway_id}`` and ``{config_topic}.{gateway_id}``
+    in `stream`, partitioned by device id with `iggy.partitions` partitions."""
+
     enabled: bool = True
     stream: str = "edge"
     commands_topic: str = "commands"
     config_topic: str = "config"
     poll_interval_s: PositiveFloat = 1.0
     poll_batch: PositiveInt = 100
+    # Commands waiting for delivery; when reached, polling pauses and the
+    # commands stay in Iggy (backpressure).
     max_inbox: PositiveInt = 10_000
     default_ttl_s: PositiveInt = 3600
+    # Deliver: a separate MQTT client (default id iggy-edge-{gateway_id}-deliver).
+    client_id: str = ""
+    command_topic: str = "edge/{device}/down/cmd"
+    config_mqtt_topic: str = "edge/{device}/down/config"
+    ack_filter: str = "edge/+/up/ack"
+    deliver_window: Annotated[int, Field(ge=1, le=1000)] = 100  # QoS1 publishes awaiting PUBACK
+    publish_timeout_s: PositiveFloat = 10.0
+    mirror_timeout_s: PositiveFloat = 2.0
+    # Finished commands stay listed (and de-duplicated by id) this long.
+    history_s: Annotated[int, Field(ge=60)] = 7 * 24 * 3600
+
+    @field_validator("stream", "commands_topic", "config_topic")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not IGGY_NAME.match(v):
+            raise ValueError(f"not a valid Iggy name: {v!r} (letters, digits, . _ -)")
+        return v
+
+    @field_validator("command_topic", "config_mqtt_topic")
+    @classmethod
+    def _device_template(cls, v: str) -> str:
+        if v.count("{device}") != 1 or "+" in v or "#" in v:
+            raise ValueError("must contain {device} exactly once and no wildcards")
+        return v
+
+    @field_validator("ack_filter")
+    @classmethod
+    def _valid_ack_filter(cls, v: str) -> str:
+        if not MQTT_TOPIC_FILTER.match(v):
+            raise ValueError(f"not a valid MQTT topic filter: {v!r}")
+        return v
 
 
 class MetricsSettings(_Model):

@@ -33,6 +33,7 @@ import random
 import ssl
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any, Final
 
 import gmqtt
@@ -74,6 +75,10 @@ class Ingest:
         self._idle.set()
         self._count_qos = [metrics.ingest_messages.labels(str(q)) for q in range(3)]
         self.connected = asyncio.Event()
+        # Called with (topic, payload) for every message once its record is
+        # committed, before the acknowledgement; the return path watches
+        # device acks here.  Observers must be quick and must not raise.
+        self.observers: list[Callable[[str, bytes], None]] = []
 
     # -- session --------------------------------------------------------
 
@@ -246,6 +251,8 @@ class Ingest:
             self._store_broken.set()
             await self._stopping.wait()
             raise
+        for observe in self.observers:
+            observe(topic, payload)
         return PUBACK_SUCCESS
 
     async def _dead_letter(

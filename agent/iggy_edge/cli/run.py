@@ -7,6 +7,7 @@ import logging
 import signal
 
 from ..config import Settings
+from ..downlink import return_path
 from ..httpd import http_endpoint
 from ..logs import setup_logging
 from ..runtime import Agent, Component
@@ -18,7 +19,7 @@ log = logging.getLogger("iggy_edge")
 
 # Components that run beside the stages (HTTP metrics/health, return path)
 # register themselves here; see runtime.Component.
-EXTRA_COMPONENTS: list[Component] = [http_endpoint, systemd_notify]
+EXTRA_COMPONENTS: list[Component] = [http_endpoint, systemd_notify, return_path]
 
 
 def build_agent(settings: Settings) -> Agent:

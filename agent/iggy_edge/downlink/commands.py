@@ -1,0 +1,261 @@
+"""Return-path value types, parsing and addressing.  Pure, no I/O.
+
+Addressing (why one Iggy topic per gateway, see docs/return-path.md)
+--------------------------------------------------------------------
+A gateway reads the topics ``{commands_topic}.{gateway_id}`` and
+``{config_topic}.{gateway_id}`` in the downlink stream (``edge`` by default),
+and nothing else.  Inside such a topic a message goes to partition
+``partition_for(device, partitions)`` (uplink/partition.py), so one device's
+commands keep their order while the topic can still be read in parallel.
+The cloud side learns which gateway serves a device from the ``gateway-id``
+header every uplink record carries.
+
+Wire formats (JSON objects, UTF-8)::
+
+    command  {"id": str, "device": str, "name": str, "args": {...},
+              "created_at": unix_s, "expires_at": unix_s}
+    config   {"device": str, "config": {...}, "id": str, "created_at": unix_s}
+    ack      {"id": str, "status": "ok" | "error" | "unknown_command" | "expired", ...}
+
+``args``, ``created_at`` and ``expires_at`` may be left out (empty args; the
+time the agent read it; ``created_at + default_ttl_s``).  Anything else that
+does not fit is an `InvalidCommand`; the return poll dead-letters it with
+reason ``invalid_command``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from ..config import Settings
+from ..uplink.partition import partition_for
+
+MAX_ID_CHARS: Final = 64  # the device library keeps recent ids; it accepts 1..64 characters
+MAX_NAME_CHARS: Final = 64
+MAX_DEVICE_CHARS: Final = 128
+# A device id is one MQTT topic level: no separators, wildcards or NUL.
+DEVICE_ID: Final = re.compile(r"^[^/+#\x00]{1,128}$")
+_SEP: Final = (",", ":")
+
+
+class CommandState(StrEnum):
+    """Per-command states recorded in the inbox (and metric labels)."""
+
+    RECEIVED = "received"  # read from Iggy and committed; waiting for delivery
+    DELIVERED = "delivered"  # the broker acknowledged the QoS1 publish (PUBACK)
+    ACKED = "acked"  # the device acknowledged it with status "ok"
+    EXPIRED = "expired"  # expired before delivery, or the device said so
+    FAILED = "failed"  # the broker refused it, or the device acked an error
+
+
+class InvalidCommand(ValueError):
+    """A command or config message that cannot be used; the text is the detail."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    id: str
+    device: str
+    name: str
+    args: dict[str, Any]
+    created_at: float
+    expires_at: float
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+    def device_payload(self) -> bytes:
+        """What the device receives on ``down/cmd`` (device/iggy_device/codec.py)."""
+        doc = {
+            "id": self.id,
+            "name": self.name,
+            "args": self.args,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+        return json.dumps(doc, separators=_SEP).encode()
+
+    def wire(self) -> bytes:
+        """The Iggy message, as the cloud side sends it."""
+        doc = {
+            "id": self.id,
+            "device": self.device,
+            "name": self.name,
+            "args": self.args,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+        return json.dumps(doc, separators=_SEP).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredConfig:
+    id: str
+    device: str
+    config: dict[str, Any]
+    created_at: float
+
+    def device_payload(self) -> bytes:
+        """What is retained on ``down/config``: the desired config object itself."""
+        return json.dumps(self.config, separators=_SEP, sort_keys=True).encode()
+
+    def wire(self) -> bytes:
+        doc = {"id": self.id, "device": self.device, "config": self.config, "created_at": self.created_at}
+        return json.dumps(doc, separators=_SEP).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    id: str
+    status: str
+    error: str | None
+
+    @property
+    def state(self) -> CommandState:
+        if self.status == "ok":
+            return CommandState.ACKED
+        if self.status == "expired":
+            return CommandState.EXPIRED
+        return CommandState.FAILED
+
+
+# -- addressing -----------------------------------------------------------------
+
+
+def commands_topic(settings: Settings) -> str:
+    """This gateway's Iggy command topic."""
+    return f"{settings.downlink.commands_topic}.{settings.gateway_id}"
+
+
+def config_topic(settings: Settings) -> str:
+    """This gateway's Iggy desired-config topic."""
+    return f"{settings.downlink.config_topic}.{settings.gateway_id}"
+
+
+def partition_of(device: str, settings: Settings) -> int:
+    """The partition of a device's messages in the gateway's topics."""
+    return partition_for(device, settings.iggy.partitions)
+
+
+def deliver_client_id(settings: Settings) -> str:
+    return settings.downlink.client_id or f"{settings.mqtt_client_id}-deliver"
+
+
+def device_topic(template: str, device: str) -> str:
+    return template.replace("{device}", device)
+
+
+# -- parsing --------------------------------------------------------------------
+
+
+def _object(payload: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidCommand(f"payload is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidCommand(f"payload must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _text(doc: dict[str, Any], key: str, limit: int) -> str:
+    value = doc.get(key)
+    if not isinstance(value, str) or not 1 <= len(value) <= limit:
+        raise InvalidCommand(f"{key!r} must be a string of 1..{limit} characters")
+    return value
+
+
+def _device(doc: dict[str, Any]) -> str:
+    device = _text(doc, "device", MAX_DEVICE_CHARS)
+    if not DEVICE_ID.match(device):
+        raise InvalidCommand(f"'device' {device[:40]!r} is not one MQTT topic level (no '/', '+', '#')")
+    return device
+
+
+def _time(doc: dict[str, Any], key: str, default: float) -> float:
+    value = doc.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise InvalidCommand(f"{key!r} must be a unix time in seconds")
+    return float(value)
+
+
+def parse_command(payload: bytes, *, now: float, default_ttl_s: float) -> Command:
+    doc = _object(payload)
+    cid = _text(doc, "id", MAX_ID_CHARS)
+    device = _device(doc)
+    name = _text(doc, "name", MAX_NAME_CHARS)
+    args = doc.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise InvalidCommand("'args' must be a JSON object")
+    created = _time(doc, "created_at", now)
+    expires = _time(doc, "expires_at", created + default_ttl_s)
+    return Command(cid, device, name, args, created, expires)
+
+
+def parse_config(payload: bytes, *, now: float, fallback_id: str) -> DesiredConfig:
+    doc = _object(payload)
+    device = _device(doc)
+    config = doc.get("config")
+    if not isinstance(config, dict):
+        raise InvalidCommand("'config' must be a JSON object")
+    raw_id = doc.get("id", doc.get("version"))
+    cid = fallback_id if raw_id is None else str(raw_id)
+    if not 1 <= len(cid) <= MAX_ID_CHARS:
+        raise InvalidCommand(f"config 'id'/'version' must be 1..{MAX_ID_CHARS} characters")
+    return DesiredConfig(cid, device, config, _time(doc, "created_at", now))
+
+
+def parse_ack(payload: bytes) -> Ack | None:
+    """A device ack, or None when the payload is not one (it still travels uplink)."""
+    try:
+        doc = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    cid, status = doc.get("id"), doc.get("status")
+    if not isinstance(cid, str) or not cid or not isinstance(status, str) or not status:
+        return None
+    error = doc.get("error")
+    return Ack(cid, status, None if error is None else str(error)[:200])
+
+
+# -- building (the cloud side's view: CLI, tests, benchmarks) ---------------------
+
+
+def new_command_id() -> str:
+    return secrets.token_hex(8)
+
+
+def make_command(
+    device: str,
+    name: str,
+    args: dict[str, Any] | None = None,
+    *,
+    ttl_s: float = 3600,
+    command_id: str | None = None,
+    now: float | None = None,
+) -> Command:
+    """A valid command (raises InvalidCommand otherwise)."""
+    created = time.time() if now is None else now
+    cmd = Command(command_id or new_command_id(), device, name, dict(args or {}), created, created + ttl_s)
+    return parse_command(cmd.wire(), now=created, default_ttl_s=ttl_s)
+
+
+def make_config(
+    device: str, config: dict[str, Any], *, config_id: str | None = None, now: float | None = None
+) -> DesiredConfig:
+    created = time.time() if now is None else now
+    cfg = DesiredConfig(config_id or new_command_id(), device, dict(config), created)
+    return parse_config(cfg.wire(), now=created, fallback_id=cfg.id)

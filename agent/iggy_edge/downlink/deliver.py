@@ -1,0 +1,349 @@
+"""Deliver: inbox -> MQTT, QoS1, marked delivered only after the broker's PUBACK.
+
+* A separate gmqtt client (``iggy-edge-{gateway}-deliver``): ingest's session
+  has its own client id, subscriptions and in-flight window, and a publish
+  waiting for PUBACK must not hold up acknowledging device messages.  Clean
+  start: the inbox, not the broker session, is what remembers undelivered
+  commands, so a fresh connection simply publishes them again.
+* PUBACK.  gmqtt's ``publish`` returns nothing; it stores each QoS1 packet in
+  its ``persistent_storage`` (a constructor argument) under the packet id and
+  removes it when the PUBACK arrives.  `_PubackTracker` is that storage: it
+  learns the packet id at ``push_message`` and resolves a future at
+  ``remove_message_by_mid``.  gmqtt 0.8 does not parse the MQTT 5 PUBACK
+  reason code, so the tracker also wraps the package handler's PUBACK
+  handler (a private hook, like ingest's reconnect hook) to read it: a code
+  of 0x80 or above (for example 0x87, not authorized) marks the command
+  failed instead of delivered.  tests/test_downlink_deliver.py checks both
+  against Mosquitto.
+* Order: commands go out oldest first (inbox seq), up to `deliver_window`
+  in flight on one connection; MQTT keeps one connection's QoS1 messages on a
+  topic in order.  If a PUBACK does not come within `publish_timeout_s` the
+  connection is dropped and everything unacknowledged is published again,
+  in order, on the next one (at-least-once; the device drops repeats by
+  command id).
+* Expiry: a command whose `expires_at` has passed is not published; it is
+  marked expired and counted, also while the broker is unreachable.
+* Config: the newest desired config per device is published retained on
+  ``down/config``; the broker keeps only the last retained message per
+  topic, so a device that subscribes later gets exactly that one.
+* Unknown devices: the agent does not keep a device registry; every command
+  is published.  Without a subscriber (and no persistent session of the
+  device) the broker drops it after the PUBACK: the command stays
+  ``delivered`` and never becomes ``acked``, which is what the cloud side
+  sees.  See docs/return-path.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import struct
+import time
+from collections.abc import Callable
+from typing import Final
+
+import gmqtt
+from gmqtt.mqtt.constants import MQTTv50
+from gmqtt.mqtt.handler import MQTTConnectError
+from gmqtt.storage import PersistentStorage
+
+from ..config import Settings
+from ..ingest import backoff_delay
+from ..logs import RateLimitedLog
+from ..metrics import Metrics
+from .commands import CommandState, deliver_client_id, device_topic
+from .inbox import Inbox, PendingCommand, PendingConfig
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S: Final = 15.0
+SWEEP_INTERVAL_S: Final = 1.0
+REFUSED: Final = 0x80  # PUBACK reason codes >= 0x80 are failures (MQTT 5, 3.4.2.1)
+
+
+class BrokerLost(Exception):
+    """The deliver connection is gone or stopped acknowledging."""
+
+
+class _PubackTracker(PersistentStorage):  # type: ignore[misc]  # gmqtt is untyped
+    """gmqtt's in-flight store, extended to tell us when a PUBACK arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_mid: int | None = None
+        self._waiters: dict[int, asyncio.Future[int]] = {}
+        self._reasons: dict[int, int] = {}
+
+    def push_message(self, mid: int, raw_package: bytes) -> None:
+        super().push_message(mid, raw_package)
+        self.last_mid = mid
+
+    def remove_message_by_mid(self, mid: int) -> None:
+        super().remove_message_by_mid(mid)
+        waiter = self._waiters.pop(mid, None)
+        reason = self._reasons.pop(mid, 0)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reason)
+
+    def clear(self) -> None:
+        super().clear()
+        self.fail_all()
+
+    def wait_for(self, mid: int) -> asyncio.Future[int]:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters[mid] = fut
+        return fut
+
+    def fail_all(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(BrokerLost("connection closed before PUBACK"))
+                fut.exception()  # retrieved: the waiter may be gone already
+
+    def hook_reason_codes(self, client: gmqtt.Client) -> None:
+        """Record the PUBACK reason code before gmqtt's own handler frees the id."""
+        handler = client._package_handler
+        original: Callable[[int, bytes], None] = handler._handle_puback_packet
+
+        def on_puback(cmd: int, packet: bytes) -> None:
+            if len(packet) >= 2:
+                (mid,) = struct.unpack("!H", packet[:2])
+                self._reasons[mid] = packet[2] if len(packet) > 2 else 0
+            original(cmd, packet)
+
+        handler._handle_puback_packet = on_puback
+
+
+class Deliverer:
+    def __init__(self, settings: Settings, inbox: Inbox, metrics: Metrics) -> None:
+        self._settings = settings
+        self._dl = settings.downlink
+        self._mqtt = settings.mqtt
+        self._inbox = inbox
+        self._metrics = metrics
+        self._limited = RateLimitedLog(log)
+        self._wakeup = asyncio.Event()
+        self._lost = asyncio.Event()
+        self.connected = asyncio.Event()
+
+    def wake(self) -> None:
+        """Something new is in the inbox."""
+        self._wakeup.set()
+
+    # -- connection -----------------------------------------------------------
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        if not self._mqtt.tls:
+            return False
+        ca = str(self._mqtt.tls_ca_file) if self._mqtt.tls_ca_file else None
+        return ssl.create_default_context(cafile=ca)
+
+    async def _connect(self) -> tuple[gmqtt.Client, _PubackTracker]:
+        tracker = _PubackTracker()
+        client = gmqtt.Client(
+            deliver_client_id(self._settings), clean_session=True, persistent_storage=tracker
+        )
+        tracker.hook_reason_codes(client)
+
+        async def on_lost(delay: bool = False) -> None:  # we reconnect ourselves, with backoff
+            self._lost.set()
+
+        client._package_handler._reconnect_callback = on_lost
+        client.on_disconnect = lambda *_: self._lost.set()
+        if self._mqtt.username:
+            password = self._mqtt.password.get_secret_value() if self._mqtt.password else None
+            client.set_auth_credentials(self._mqtt.username, password)
+        self._lost.clear()
+        try:
+            await asyncio.wait_for(
+                client.connect(
+                    self._mqtt.host,
+                    self._mqtt.port,
+                    ssl=self._ssl_context(),
+                    keepalive=self._mqtt.keepalive_s,
+                    version=MQTTv50,
+                ),
+                CONNECT_TIMEOUT_S,
+            )
+        except (OSError, TimeoutError, MQTTConnectError):
+            await self._close(client, tracker)
+            raise
+        return client, tracker
+
+    async def _close(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
+        tracker.fail_all()
+        with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
+            await asyncio.wait_for(client.disconnect(), 5)
+
+    async def run(self) -> None:
+        """Deliver until cancelled; reconnect with backoff; expire meanwhile."""
+        attempt = 0
+        while True:
+            await self._sweep_expired()
+            try:
+                client, tracker = await self._connect()
+            except (OSError, TimeoutError, MQTTConnectError) as e:
+                delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
+                attempt += 1
+                self._limited.warning(
+                    "deliver-connect",
+                    "deliver: MQTT broker %s:%d not reachable (%s); commands wait; retry in %.1fs",
+                    self._mqtt.host,
+                    self._mqtt.port,
+                    e or type(e).__name__,
+                    delay,
+                )
+                await self._idle(delay)
+                continue
+            attempt = 0
+            self.connected.set()
+            log.info("deliver: connected to %s:%d", self._mqtt.host, self._mqtt.port)
+            try:
+                await self._deliver_while_connected(client, tracker)
+            except BrokerLost as e:
+                self._limited.warning("deliver-lost", "deliver: %s; unacknowledged commands go out again", e)
+            finally:
+                self.connected.clear()
+                await self._close(client, tracker)
+            await self._idle(backoff_delay(0, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s))
+
+    async def _idle(self, delay: float) -> None:
+        """Wait `delay`, still expiring commands every second."""
+        deadline = time.monotonic() + delay
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, SWEEP_INTERVAL_S))
+            await self._sweep_expired()
+
+    # -- delivery -----------------------------------------------------------------
+
+    async def _deliver_while_connected(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
+        window = self._dl.deliver_window
+        while True:
+            if self._lost.is_set():
+                raise BrokerLost("connection lost")
+            self._wakeup.clear()
+            configs = await self._inbox.due_configs(window)
+            if configs:
+                await self._publish_configs(client, tracker, configs)
+            commands = await self._inbox.due_commands(window)
+            if commands:
+                await self._publish_commands(client, tracker, commands)
+            if not commands and not configs:
+                await self._refresh_gauge()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_wakeup_or_lost(), SWEEP_INTERVAL_S)
+                await self._sweep_expired()
+
+    async def _wait_wakeup_or_lost(self) -> None:
+        waiters = [asyncio.ensure_future(self._wakeup.wait()), asyncio.ensure_future(self._lost.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    def _publish(
+        self, client: gmqtt.Client, tracker: _PubackTracker, topic: str, payload: bytes, *, retain: bool
+    ) -> asyncio.Future[int]:
+        tracker.last_mid = None
+        try:
+            client.publish(topic, payload, qos=1, retain=retain)
+        except (OSError, RuntimeError, AttributeError) as e:
+            raise BrokerLost(f"publish failed: {e}") from e
+        mid = tracker.last_mid
+        if mid is None:
+            raise BrokerLost("publish was not queued")
+        return tracker.wait_for(mid)
+
+    async def _await_pubacks(self, futures: list[asyncio.Future[int]]) -> list[int | None]:
+        """Reason code per publish, None for those not acknowledged in time."""
+        if futures:
+            await asyncio.wait(futures, timeout=self._dl.publish_timeout_s)
+        out: list[int | None] = []
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                out.append(f.result())
+            else:
+                f.cancel()
+                out.append(None)
+        return out
+
+    async def _publish_commands(
+        self, client: gmqtt.Client, tracker: _PubackTracker, commands: list[PendingCommand]
+    ) -> None:
+        now = time.time()
+        expired = [c for c in commands if now >= c.expires_at]
+        live = [c for c in commands if now < c.expires_at]
+        if expired:
+            await self._finish([(c.id, CommandState.EXPIRED, "expired before delivery") for c in expired])
+        futures = [
+            self._publish(
+                client, tracker, device_topic(self._dl.command_topic, c.device), c.payload, retain=False
+            )
+            for c in live
+        ]
+        codes = await self._await_pubacks(futures)
+        updates: list[tuple[str, CommandState, str]] = []
+        delivered = 0
+        for c, code in zip(live, codes, strict=True):
+            if code is None:
+                break  # keep order: this one and the rest go out again after reconnecting
+            if code >= REFUSED:
+                updates.append(
+                    (c.id, CommandState.FAILED, f"broker refused the publish: reason 0x{code:02x}")
+                )
+                log.warning("deliver: broker refused command %s for %s (reason 0x%02x)", c.id, c.device, code)
+            else:
+                updates.append((c.id, CommandState.DELIVERED, ""))
+                delivered += 1
+        # Counted when the broker acknowledged, even if the device's ack got
+        # recorded first (then the row is already `acked`).
+        self._metrics.commands.labels(CommandState.DELIVERED.value).inc(delivered)
+        await self._finish(updates, count_delivered=False)
+        if len(updates) < len(live):
+            raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
+
+    async def _publish_configs(
+        self, client: gmqtt.Client, tracker: _PubackTracker, configs: list[PendingConfig]
+    ) -> None:
+        futures = [
+            self._publish(
+                client, tracker, device_topic(self._dl.config_mqtt_topic, c.device), c.payload, retain=True
+            )
+            for c in configs
+        ]
+        codes = await self._await_pubacks(futures)
+        updates: list[tuple[PendingConfig, str, str]] = []
+        for c, code in zip(configs, codes, strict=True):
+            if code is None:
+                break
+            if code >= REFUSED:
+                updates.append((c, "failed", f"broker refused the publish: reason 0x{code:02x}"))
+            else:
+                updates.append((c, "delivered", ""))
+        await self._inbox.finish_configs(updates)
+        if len(updates) < len(configs):
+            raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
+
+    async def _finish(
+        self, updates: list[tuple[str, CommandState, str]], *, count_delivered: bool = True
+    ) -> None:
+        done = await self._inbox.finish(updates)
+        for _, state in done:
+            if state is not CommandState.DELIVERED or count_delivered:
+                self._metrics.commands.labels(state.value).inc()
+        await self._refresh_gauge()
+
+    async def _sweep_expired(self) -> None:
+        """Expire waiting commands whose time is up (also while disconnected)."""
+        expired = await self._inbox.expire_due()
+        if expired:
+            self._metrics.commands.labels(CommandState.EXPIRED.value).inc(expired)
+            await self._refresh_gauge()
+            log.info("deliver: %d commands expired in the inbox before delivery", expired)
+
+    async def _refresh_gauge(self) -> None:
+        self._metrics.inbox_records.set(await self._inbox.waiting())

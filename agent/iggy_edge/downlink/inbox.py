@@ -1,0 +1,423 @@
+"""The inbox: commands and desired configs read from Iggy, with read offsets.
+
+Design
+------
+* Same database file as the outbox (store.py), own tables, own aiosqlite
+  connection.  Not `Outbox.connection`: the outbox runs explicit
+  ``BEGIN IMMEDIATE ... COMMIT`` sequences on its connection with awaits in
+  between, so a statement of ours issued meanwhile would silently join (or
+  end) its transaction.  A second connection gets its own transactions;
+  SQLite (WAL) serialises the two writers with ``busy_timeout`` and both
+  transactions are a few milliseconds long.
+* **Offsets.**  ``downlink_offsets`` holds per (stream, topic, partition) the
+  last *consumed* offset; polling resumes at +1.  It is written in the same
+  transaction as the commands read up to it (`store_polled`), so after a crash
+  either both are there or neither is, and the poll re-reads exactly what is
+  missing.  SQLite is the source of truth; ``mirrored_offset`` records what
+  the Iggy server last accepted as this gateway's consumer offset.
+* **Commands** keep their arrival order (``seq``, AUTOINCREMENT), which is
+  per-device Iggy order because a device's commands live in one partition.
+  The command id is UNIQUE: a second copy (the cloud side retried an
+  ambiguous send; Iggy keeps duplicates) is not delivered again while the
+  first is remembered (``history_s``).
+* **States**: received -> delivered -> acked, or expired / failed.  Every
+  transition is guarded by the state it leaves (``WHERE state IN ...``), so a
+  late PUBACK cannot overwrite a device's ack and a command leaves
+  ``received`` only once -- the deliverer publishes only ``received`` rows,
+  which is why the agent's own bookkeeping never delivers a command twice
+  once its delivery is recorded.
+* **Config** keeps one row per device, the newest desired config (by Iggy
+  order).  An identical re-send does not reset the row, so it is not
+  published again.
+* One lock per inbox: the poll, the deliverer and the ack listener share
+  the connection, and an aiosqlite connection has one transaction at a time.
+* Durability follows ``buffer.synchronous`` (FULL by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiosqlite
+
+from ..config import Settings
+from .commands import Ack, Command, CommandState, DesiredConfig
+
+SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS downlink_offsets (
+    stream TEXT NOT NULL,
+    topic TEXT NOT NULL,
+    partition_id INTEGER NOT NULL,
+    last_offset INTEGER NOT NULL,       -- last consumed; polling resumes at +1
+    mirrored_offset INTEGER,            -- last offset the Iggy server accepted
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (stream, topic, partition_id)
+);
+CREATE TABLE IF NOT EXISTS downlink_commands (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order = delivery order
+    id TEXT NOT NULL UNIQUE,
+    device TEXT NOT NULL,
+    name TEXT NOT NULL,
+    payload BLOB NOT NULL,              -- what the device receives
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    received_at REAL NOT NULL,
+    state TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    source TEXT NOT NULL                -- topic/partition@offset in Iggy
+);
+CREATE INDEX IF NOT EXISTS downlink_commands_state ON downlink_commands(state, seq);
+CREATE TABLE IF NOT EXISTS downlink_config (
+    device TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
+    payload BLOB NOT NULL,              -- retained on down/config
+    created_at REAL NOT NULL,
+    received_at REAL NOT NULL,
+    state TEXT NOT NULL,                -- received | delivered | failed
+    updated_at REAL NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    source TEXT NOT NULL
+);
+"""
+
+RECEIVED: Final = CommandState.RECEIVED.value
+TERMINAL: Final = tuple(
+    s.value for s in (CommandState.ACKED, CommandState.EXPIRED, CommandState.FAILED, CommandState.DELIVERED)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCommand:
+    seq: int
+    id: str
+    device: str
+    payload: bytes
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PendingConfig:
+    device: str
+    id: str
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """What one `store_polled` transaction did."""
+
+    new: int  # commands inserted
+    expired: int  # of those, already expired on arrival
+    duplicates: int  # ids already in the inbox (not delivered again)
+    configs: int  # config rows replaced
+
+
+@dataclass(frozen=True, slots=True)
+class CommandRow:
+    seq: int
+    id: str
+    device: str
+    name: str
+    state: str
+    created_at: float
+    expires_at: float
+    received_at: float
+    updated_at: float
+    detail: str
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "device": self.device,
+            "name": self.name,
+            "state": self.state,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "received_at": self.received_at,
+            "updated_at": self.updated_at,
+            "detail": self.detail,
+            "source": self.source,
+        }
+
+
+class Inbox:
+    def __init__(self, conn: aiosqlite.Connection, settings: Settings) -> None:
+        self._conn = conn
+        self._settings = settings
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: Path, settings: Settings) -> Inbox:
+        """Open the agent's buffer database (the outbox created it) on a
+        connection of our own and create our tables if missing."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = await aiosqlite.connect(path, isolation_level=None)
+        try:
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA busy_timeout=10000")
+            await conn.execute(f"PRAGMA synchronous={settings.buffer.synchronous.upper()}")
+            await conn.executescript(SCHEMA)
+        except sqlite3.Error:
+            await conn.close()
+            raise
+        return cls(conn, settings)
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[None]:
+        async with self._lock:
+            await self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                await self._conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    await self._conn.execute("ROLLBACK")
+                raise
+
+    async def _fetchall(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        async with self._lock, self._conn.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+    # -- offsets ------------------------------------------------------------
+
+    async def offsets(self) -> dict[tuple[str, str, int], tuple[int, int | None]]:
+        """(stream, topic, partition) -> (last consumed, last mirrored)."""
+        rows = await self._fetchall(
+            "SELECT stream, topic, partition_id, last_offset, mirrored_offset FROM downlink_offsets"
+        )
+        return {(r[0], r[1], int(r[2])): (int(r[3]), None if r[4] is None else int(r[4])) for r in rows}
+
+    async def set_mirrored(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
+        async with self._transaction():
+            await self._conn.execute(
+                "UPDATE downlink_offsets SET mirrored_offset = ?"
+                " WHERE stream = ? AND topic = ? AND partition_id = ?",
+                (offset, stream, topic, partition_id),
+            )
+
+    # -- the return poll's transaction ---------------------------------------
+
+    async def store_polled(
+        self,
+        stream: str,
+        topic: str,
+        partition_id: int,
+        last_offset: int,
+        commands: Sequence[tuple[Command, str]] = (),
+        configs: Sequence[tuple[DesiredConfig, str]] = (),
+        *,
+        now: float | None = None,
+    ) -> StoredBatch:
+        """Insert commands/configs read from one partition and advance its
+        offset to `last_offset`, all in one transaction.  Each item carries its
+        source (``topic/partition@offset``)."""
+        now = time.time() if now is None else now
+        new = expired = duplicates = replaced = 0
+        async with self._transaction():
+            for cmd, source in commands:
+                state = CommandState.EXPIRED if cmd.expired(now) else CommandState.RECEIVED
+                before = self._conn.total_changes
+                await self._conn.execute(
+                    "INSERT INTO downlink_commands(id, device, name, payload, created_at, expires_at,"
+                    " received_at, state, updated_at, detail, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+                    " ON CONFLICT(id) DO NOTHING",
+                    (
+                        cmd.id,
+                        cmd.device,
+                        cmd.name,
+                        cmd.device_payload(),
+                        cmd.created_at,
+                        cmd.expires_at,
+                        now,
+                        state.value,
+                        now,
+                        "expired before it reached the gateway" if state is CommandState.EXPIRED else "",
+                        source,
+                    ),
+                )
+                if self._conn.total_changes == before:
+                    duplicates += 1
+                else:
+                    new += 1
+                    expired += state is CommandState.EXPIRED
+            for cfg, source in configs:
+                before = self._conn.total_changes
+                await self._conn.execute(
+                    "INSERT INTO downlink_config(device, id, payload, created_at, received_at, state,"
+                    " updated_at, detail, source) VALUES (?,?,?,?,?,?,?,'',?)"
+                    " ON CONFLICT(device) DO UPDATE SET id = excluded.id, payload = excluded.payload,"
+                    " created_at = excluded.created_at, received_at = excluded.received_at,"
+                    " state = excluded.state, updated_at = excluded.updated_at, detail = '',"
+                    " source = excluded.source"
+                    " WHERE downlink_config.id IS NOT excluded.id"
+                    " OR downlink_config.payload IS NOT excluded.payload",
+                    (cfg.device, cfg.id, cfg.device_payload(), cfg.created_at, now, RECEIVED, now, source),
+                )
+                replaced += self._conn.total_changes != before
+            await self._conn.execute(
+                "INSERT INTO downlink_offsets(stream, topic, partition_id, last_offset, updated_at)"
+                " VALUES (?,?,?,?,?) ON CONFLICT(stream, topic, partition_id)"
+                " DO UPDATE SET last_offset = excluded.last_offset, updated_at = excluded.updated_at",
+                (stream, topic, partition_id, last_offset, now),
+            )
+        return StoredBatch(new, expired, duplicates, replaced)
+
+    # -- the deliverer's side ---------------------------------------------------
+
+    async def waiting(self) -> int:
+        """Commands received and not yet delivered (bounded by max_inbox)."""
+        rows = await self._fetchall("SELECT count(*) FROM downlink_commands WHERE state = ?", (RECEIVED,))
+        return int(rows[0][0])
+
+    async def due_commands(self, limit: int) -> list[PendingCommand]:
+        rows = await self._fetchall(
+            "SELECT seq, id, device, payload, expires_at FROM downlink_commands WHERE state = ?"
+            " ORDER BY seq LIMIT ?",
+            (RECEIVED, limit),
+        )
+        return [PendingCommand(int(r[0]), r[1], r[2], bytes(r[3]), float(r[4])) for r in rows]
+
+    async def due_configs(self, limit: int) -> list[PendingConfig]:
+        rows = await self._fetchall(
+            "SELECT device, id, payload FROM downlink_config WHERE state = ? ORDER BY received_at LIMIT ?",
+            (RECEIVED, limit),
+        )
+        return [PendingConfig(r[0], r[1], bytes(r[2])) for r in rows]
+
+    async def finish(
+        self, updates: Iterable[tuple[str, CommandState, str]], *, now: float | None = None
+    ) -> list[tuple[str, CommandState]]:
+        """Move `received` commands to delivered/expired/failed (id, state,
+        detail); returns the transitions that happened."""
+        return await self._transition(updates, (RECEIVED,), now)
+
+    async def apply_acks(
+        self, acks: Iterable[Ack], *, now: float | None = None
+    ) -> list[tuple[str, CommandState]]:
+        """Record device acks.  Also from `received`: the device can answer
+        before the broker's PUBACK reaches us, and an acked command must not
+        be published again."""
+        updates = [(a.id, a.state, "" if a.error is None else f"device: {a.error}") for a in acks]
+        return await self._transition(updates, (RECEIVED, CommandState.DELIVERED.value), now)
+
+    async def _transition(
+        self,
+        updates: Iterable[tuple[str, CommandState, str]],
+        from_states: tuple[str, ...],
+        now: float | None,
+    ) -> list[tuple[str, CommandState]]:
+        now = time.time() if now is None else now
+        marks = ",".join("?" * len(from_states))
+        done: list[tuple[str, CommandState]] = []
+        items = list(updates)
+        if not items:
+            return done
+        async with self._transaction():
+            for cid, state, detail in items:
+                before = self._conn.total_changes
+                await self._conn.execute(
+                    f"UPDATE downlink_commands SET state = ?, detail = ?, updated_at = ?"  # noqa: S608 - placeholders only
+                    f" WHERE id = ? AND state IN ({marks})",
+                    (state.value, detail, now, cid, *from_states),
+                )
+                if self._conn.total_changes != before:
+                    done.append((cid, state))
+        return done
+
+    async def finish_configs(self, updates: Iterable[tuple[PendingConfig, str, str]]) -> None:
+        """Mark configs delivered/failed -- only if no newer config replaced
+        the row meanwhile (then the newer one is still due)."""
+        now = time.time()
+        async with self._transaction():
+            for cfg, state, detail in updates:
+                await self._conn.execute(
+                    "UPDATE downlink_config SET state = ?, detail = ?, updated_at = ?"
+                    " WHERE device = ? AND id = ? AND payload = ? AND state = ?",
+                    (state, detail, now, cfg.device, cfg.id, cfg.payload, RECEIVED),
+                )
+
+    async def expire_due(self, *, now: float | None = None) -> int:
+        """Mark waiting commands whose expiry has passed as expired."""
+        now = time.time() if now is None else now
+        async with self._transaction():
+            before = self._conn.total_changes
+            await self._conn.execute(
+                "UPDATE downlink_commands SET state = ?, detail = 'expired before delivery', updated_at = ?"
+                " WHERE state = ? AND expires_at <= ?",
+                (CommandState.EXPIRED.value, now, RECEIVED, now),
+            )
+            return self._conn.total_changes - before
+
+    async def prune(self, *, now: float | None = None) -> int:
+        """Forget finished commands older than history_s."""
+        now = time.time() if now is None else now
+        cutoff = now - self._settings.downlink.history_s
+        marks = ",".join("?" * len(TERMINAL))
+        async with self._transaction():
+            before = self._conn.total_changes
+            await self._conn.execute(
+                f"DELETE FROM downlink_commands WHERE state IN ({marks}) AND updated_at < ?",  # noqa: S608
+                (*TERMINAL, cutoff),
+            )
+            return self._conn.total_changes - before
+
+
+# -- read-only views for the CLI (another process; WAL lets it read) --------------
+
+
+def _ro(path: Path) -> sqlite3.Connection:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no buffer database (has the agent run yet?)")
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
+    return row is not None
+
+
+def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> list[CommandRow]:
+    """The most recent commands (newest first)."""
+    conn = _ro(path)
+    try:
+        if not _has_table(conn, "downlink_commands"):
+            return []
+        sql = (
+            "SELECT seq, id, device, name, state, created_at, expires_at, received_at, updated_at, detail,"
+            " source FROM downlink_commands"
+        )
+        params: tuple[Any, ...] = ()
+        if device is not None:
+            sql += " WHERE device = ?"
+            params = (device,)
+        rows = conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall()
+    finally:
+        conn.close()
+    return [CommandRow(*r) for r in rows]
+
+
+def read_offsets(path: Path) -> list[tuple[str, str, int, int, int | None]]:
+    """(stream, topic, partition, last consumed, last mirrored)."""
+    conn = _ro(path)
+    try:
+        if not _has_table(conn, "downlink_offsets"):
+            return []
+        rows = conn.execute(
+            "SELECT stream, topic, partition_id, last_offset, mirrored_offset FROM downlink_offsets"
+            " ORDER BY stream, topic, partition_id"
+        ).fetchall()
+    finally:
+        conn.close()
+    return [(r[0], r[1], int(r[2]), int(r[3]), r[4]) for r in rows]

@@ -1,0 +1,258 @@
+"""Return poll: this gateway's command and config topics in Iggy -> inbox.
+
+* Reads ``commands.<gateway>`` and ``config.<gateway>`` (commands.py) through
+  `CommandSource`, partition by partition (``iggy.partitions`` of them), from
+  the offset after the last one stored in SQLite.
+* Each poll's messages and the new offset are committed in one transaction
+  (inbox.py); only then is the offset mirrored to the Iggy server, bounded by
+  `mirror_timeout_s` and best effort: a failed mirror is retried on the next
+  round, and a mirror that lags never loses or repeats a command because
+  SQLite, not the server, says where to resume.
+* A payload that is not a valid command/config is dead-lettered (reason
+  ``invalid_command``) and its offset is consumed like any other, so one bad
+  message cannot block a partition.  The dead letter is committed first, on
+  the outbox's connection; a crash before the offset commit re-reads the
+  message and may dead-letter it a second time (never loses it).
+* Backpressure: when `max_inbox` commands wait for delivery, command
+  partitions are not polled; the commands stay in Iggy and the pause is
+  counted (``iggy_edge_downlink_inbox_full``).  A poll never takes more than
+  the room left.
+* Iggy down: polls fail (bounded by the adapter), are counted and retried
+  with backoff; delivery of what is already in the inbox goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from ..config import Settings
+from ..ingest import backoff_delay
+from ..logs import RateLimitedLog
+from ..metrics import Metrics
+from ..store import Outbox
+from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
+from .commands import (
+    Command,
+    CommandState,
+    DesiredConfig,
+    InvalidCommand,
+    commands_topic,
+    config_topic,
+    parse_command,
+    parse_config,
+)
+from .inbox import Inbox
+
+log = logging.getLogger(__name__)
+
+INVALID_COMMAND: Final = "invalid_command"
+BACKOFF_MAX_S: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Partition:
+    stream: str
+    topic: str
+    partition_id: int
+    is_config: bool
+
+    def source(self, offset: int) -> str:
+        return f"{self.topic}/{self.partition_id}@{offset}"
+
+
+class ReturnPoll:
+    def __init__(
+        self,
+        settings: Settings,
+        source: CommandSource,
+        inbox: Inbox,
+        outbox: Outbox,
+        metrics: Metrics,
+        *,
+        on_stored: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._settings = settings
+        self._dl = settings.downlink
+        self._source = source
+        self._inbox = inbox
+        self._outbox = outbox
+        self._metrics = metrics
+        self._on_stored = on_stored
+        self._limited = RateLimitedLog(log)
+        stream, n = self._dl.stream, settings.iggy.partitions
+        self.partitions = [
+            *(_Partition(stream, commands_topic(settings), p, False) for p in range(n)),
+            *(_Partition(stream, config_topic(settings), p, True) for p in range(n)),
+        ]
+        self._last: dict[_Partition, int] = {}
+        self._mirrored: dict[_Partition, int | None] = {}
+
+    async def run(self) -> None:
+        stored = await self._inbox.offsets()
+        for part in self.partitions:
+            last, mirrored = stored.get((part.stream, part.topic, part.partition_id), (-1, None))
+            self._last[part] = last
+            self._mirrored[part] = mirrored
+        resumed = {f"{p.topic}/{p.partition_id}": self._last[p] + 1 for p in self.partitions}
+        log.info("return poll: resuming at %s", resumed)
+        failures = 0
+        started = False
+        while True:
+            try:
+                if not started:
+                    await self._source.start()
+                    started = True
+                    await self._check_partition_count()
+                got = await self._round()
+            except UplinkError as e:
+                self._metrics.downlink_errors.labels("poll").inc()
+                delay = backoff_delay(failures, self._dl.poll_interval_s, BACKOFF_MAX_S)
+                failures += 1
+                self._limited.warning(
+                    "poll",
+                    "return poll: Iggy not reachable (%s); retrying in %.1fs; delivery goes on",
+                    e,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            failures = 0
+            await self._mirror_all()
+            if not got:
+                await asyncio.sleep(self._dl.poll_interval_s)
+
+    async def _check_partition_count(self) -> None:
+        """Warn when a topic has more partitions than we read (their commands
+        would never arrive): a poll one past our count must be refused."""
+        n = self._settings.iggy.partitions
+        for topic in (commands_topic(self._settings), config_topic(self._settings)):
+            try:
+                await self._source.poll(self._dl.stream, topic, n, 0, 1)
+            except UplinkError:
+                continue  # as expected: no partition n
+            log.error(
+                "return poll: %s/%s has more than iggy.partitions=%d partitions; commands in the extra"
+                " partitions are NOT read -- set iggy.partitions to the topic's count",
+                self._dl.stream,
+                topic,
+                n,
+            )
+
+    async def _round(self) -> int:
+        """Poll every partition once; the number of messages consumed."""
+        total = 0
+        room = self._dl.max_inbox - await self._inbox.waiting()
+        for part in self.partitions:
+            if part.is_config:
+                total += await self._poll_or_skip(part, self._dl.poll_batch)
+                continue
+            if room <= 0:
+                self._metrics.downlink_inbox_full.inc()
+                self._limited.warning(
+                    "inbox-full",
+                    "return poll: inbox full (%d commands wait for delivery): paused, commands stay in Iggy",
+                    self._dl.max_inbox,
+                )
+                continue
+            got = await self._poll_or_skip(part, min(self._dl.poll_batch, room))
+            room -= got
+            total += got
+        return total
+
+    async def _poll_or_skip(self, part: _Partition, count: int) -> int:
+        """A partition the server refuses (missing, no permission) is logged
+        and skipped so the others are still read; Iggy being unreachable
+        raises and the round is retried with backoff."""
+        try:
+            return await self._poll(part, count)
+        except UplinkRejected as e:
+            self._metrics.downlink_errors.labels("poll").inc()
+            self._limited.error(f"rejected:{part.topic}/{part.partition_id}", "return poll: %s", e)
+            return 0
+
+    async def _poll(self, part: _Partition, count: int) -> int:
+        start = self._last[part] + 1
+        messages = await self._source.poll(part.stream, part.topic, part.partition_id, start, count)
+        if not messages:
+            return 0
+        if messages[0].offset > start:
+            log.warning(
+                "return poll: %s: offsets %d..%d are gone from Iggy (retention?); resuming at %d",
+                part.source(start),
+                start,
+                messages[0].offset - 1,
+                messages[0].offset,
+            )
+        now = time.time()
+        commands: list[tuple[Command, str]] = []
+        configs: list[tuple[DesiredConfig, str]] = []
+        for m in messages:
+            try:
+                if part.is_config:
+                    configs.append(
+                        (
+                            parse_config(m.payload, now=now, fallback_id=f"offset-{m.offset}"),
+                            part.source(m.offset),
+                        )
+                    )
+                else:
+                    cmd = parse_command(m.payload, now=now, default_ttl_s=self._dl.default_ttl_s)
+                    commands.append((cmd, part.source(m.offset)))
+            except InvalidCommand as e:
+                await self._dead_letter(part, m, str(e))
+        last = messages[-1].offset
+        result = await self._inbox.store_polled(
+            part.stream, part.topic, part.partition_id, last, commands, configs, now=now
+        )
+        self._last[part] = last
+        self._metrics.commands.labels(CommandState.RECEIVED.value).inc(result.new)
+        self._metrics.commands.labels(CommandState.EXPIRED.value).inc(result.expired)
+        if result.duplicates:
+            log.info(
+                "return poll: %d commands from %s were already in the inbox (same id): not delivered again",
+                result.duplicates,
+                part.source(last),
+            )
+        if result.new or result.configs:
+            self._on_stored()
+        return len(messages)
+
+    async def _dead_letter(self, part: _Partition, m: PolledMessage, detail: str) -> None:
+        # A StoreError here propagates: the offset is not advanced and the
+        # supervisor restarts the return path.
+        await self._outbox.dead_letter(
+            mqtt_topic=f"iggy:{part.stream}/{part.source(m.offset)}",
+            payload=m.payload,
+            qos=1,
+            retain=False,
+            reason=INVALID_COMMAND,
+            detail=detail,
+        )
+
+    async def _mirror_all(self) -> None:
+        """Mirror every offset the server does not have yet (bounded, best effort)."""
+        for part, last in self._last.items():
+            if last < 0 or self._mirrored.get(part) == last:
+                continue
+            try:
+                await asyncio.wait_for(
+                    self._source.mirror_offset(part.stream, part.topic, part.partition_id, last),
+                    self._dl.mirror_timeout_s,
+                )
+            except (UplinkError, TimeoutError) as e:
+                self._metrics.downlink_errors.labels("mirror").inc()
+                self._limited.warning(
+                    "mirror",
+                    "return poll: mirroring offset %d of %s failed (%s); retried later",
+                    last,
+                    part.source(last),
+                    e,
+                )
+                return
+            self._mirrored[part] = last
+            await self._inbox.set_mirrored(part.stream, part.topic, part.partition_id, last)

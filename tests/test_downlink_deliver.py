@@ -1,0 +1,208 @@
+"""Deliver against a real Mosquitto: PUBACK tracking, refusals, expiry,
+retained config, broker outage with ordered delivery afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from iggy_edge.config import Settings
+from iggy_edge.downlink.commands import Ack, CommandState, make_command, make_config
+from iggy_edge.downlink.deliver import Deliverer
+from iggy_edge.downlink.inbox import Inbox, read_commands
+from iggy_edge.metrics import Metrics
+
+from tests.support.broker import Broker
+from tests.support.downlink import DeviceSubscriber, downlink_settings
+from tests.support.wait import async_wait_until
+
+
+def states(settings: Settings) -> dict[str, str]:
+    return {r.id: r.state for r in read_commands(settings.buffer_path, limit=1000)}
+
+
+@contextlib.asynccontextmanager
+async def deliverer(settings: Settings) -> AsyncIterator[tuple[Deliverer, Inbox, Metrics]]:
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    metrics = Metrics()
+    d = Deliverer(settings, inbox, metrics)
+    task = asyncio.create_task(d.run())
+    try:
+        yield d, inbox, metrics
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await inbox.close()
+
+
+async def put(inbox: Inbox, *items: object, offset: int = 0) -> None:
+    cmds = [(c, f"t/0@{offset + i}") for i, c in enumerate(items) if not hasattr(c, "config")]
+    cfgs = [(c, f"c/0@{offset + i}") for i, c in enumerate(items) if hasattr(c, "config")]
+    await inbox.store_polled("edge", "commands.gw-test", 0, offset + len(items) - 1, cmds, cfgs)  # type: ignore[arg-type]
+
+
+async def test_command_is_marked_delivered_only_after_the_brokers_puback(
+    tmp_path: Path, broker: Broker
+) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/dev-1/down/#").start()
+    try:
+        async with deliverer(settings) as (d, inbox, metrics):
+            cmds = [make_command("dev-1", "blink", {"n": i}) for i in range(5)]
+            await put(inbox, *cmds)
+            d.wake()
+            await async_wait_until(lambda: len(dev.messages) == 5, what="device got 5 commands")
+            await async_wait_until(
+                lambda: set(states(settings).values()) == {"delivered"}, what="all marked delivered"
+            )
+            assert dev.ids() == [c.id for c in cmds]  # in order
+            first = dev.messages[0]
+            assert first.topic == "edge/dev-1/down/cmd"
+            assert not first.retain
+            assert first.doc == {
+                "id": cmds[0].id,
+                "name": "blink",
+                "args": {"n": 0},
+                "created_at": cmds[0].created_at,
+                "expires_at": cmds[0].expires_at,
+            }
+            assert metrics.value("iggy_edge_downlink_commands_total", state="delivered") == 5
+            assert metrics.value("iggy_edge_downlink_inbox_records") == 0
+    finally:
+        await dev.stop()
+
+
+async def test_broker_refusal_marks_the_command_failed(tmp_path: Path) -> None:
+    # An ACL that forbids writing to dev-locked's topics: Mosquitto answers the
+    # MQTT 5 PUBLISH with PUBACK reason 0x87 (not authorized).
+    acl = tmp_path / "acl"
+    acl.write_text("pattern write edge/dev-ok/#\npattern read #\n")
+    broker = Broker(tmp_path / "broker", extra_conf=f"acl_file {acl}\n").start()
+    try:
+        settings = downlink_settings(tmp_path, broker)
+        async with deliverer(settings) as (d, inbox, metrics):
+            bad, good = make_command("dev-locked", "open"), make_command("dev-ok", "open")
+            await put(inbox, bad, good)
+            d.wake()
+            await async_wait_until(
+                lambda: sorted(states(settings).values()) == ["delivered", "failed"], what="both finished"
+            )
+            rows = {r.id: r for r in read_commands(settings.buffer_path)}
+            assert rows[bad.id].state == "failed"
+            assert "0x87" in rows[bad.id].detail
+            assert rows[good.id].state == "delivered"
+            assert metrics.value("iggy_edge_downlink_commands_total", state="failed") == 1
+    finally:
+        broker.stop()
+
+
+async def test_expired_commands_are_not_delivered(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/cmd").start()
+    try:
+        async with deliverer(settings) as (d, inbox, _):
+            stale = make_command("dev-1", "old", ttl_s=0.3)
+            fresh = make_command("dev-1", "new", ttl_s=60)
+            await asyncio.sleep(0.4)  # let `stale` pass its expiry before delivery
+            await put(inbox, stale, fresh)
+            d.wake()
+            await async_wait_until(
+                lambda: states(settings).get(fresh.id) == "delivered", what="fresh delivered"
+            )
+            assert states(settings)[stale.id] == "expired"
+            assert dev.ids() == [fresh.id]
+    finally:
+        await dev.stop()
+
+
+async def test_commands_expire_while_the_broker_is_down(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    broker.stop()
+    async with deliverer(settings) as (d, inbox, metrics):
+        cmd = make_command("dev-1", "x", ttl_s=60)
+        await put(inbox, cmd)
+        # Arrived valid; its expiry passes while no broker is reachable.
+        await inbox._conn.execute("UPDATE downlink_commands SET expires_at = ?", (time.time() + 0.5,))
+        await async_wait_until(lambda: states(settings)[cmd.id] == "expired", what="expired without broker")
+        assert metrics.value("iggy_edge_downlink_commands_total", state="expired") == 1
+        assert not d.connected.is_set()
+
+
+async def test_retained_config_late_subscriber_gets_only_the_newest(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    async with deliverer(settings) as (d, inbox, _):
+        await put(inbox, make_config("dev-1", {"period_s": 10}), offset=0)
+        d.wake()
+        await async_wait_until(lambda: _config_state(settings) == "delivered", what="config 1 retained")
+        await put(inbox, make_config("dev-1", {"period_s": 20}), offset=1)
+        d.wake()
+        await async_wait_until(lambda: _config_state(settings) == "delivered", what="config 2 retained")
+        # Two configs in one poll: only the newest is kept and published.
+        await put(
+            inbox, make_config("dev-1", {"period_s": 30}), make_config("dev-1", {"period_s": 40}), offset=2
+        )
+        d.wake()
+        await async_wait_until(lambda: _config_state(settings) == "delivered", what="config 4 retained")
+    late = await DeviceSubscriber(broker.host, broker.port, "edge/dev-1/down/config").start()
+    try:
+        await async_wait_until(lambda: late.messages, what="retained config")
+        await asyncio.sleep(0.2)  # a second retained message would arrive right behind the first
+        assert [(m.doc, m.retain) for m in late.messages] == [({"period_s": 40}, True)]
+    finally:
+        await late.stop()
+
+
+def _config_state(settings: Settings) -> str:
+    with contextlib.closing(sqlite3.connect(settings.buffer_path)) as c:
+        row = c.execute("SELECT state FROM downlink_config WHERE device = 'dev-1'").fetchone()
+    return "" if row is None else str(row[0])
+
+
+async def test_broker_outage_commands_wait_and_go_out_in_order(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    async with deliverer(settings) as (d, inbox, _):
+        await async_wait_until(d.connected.is_set, what="deliver connected")
+        broker.stop()
+        await async_wait_until(lambda: not d.connected.is_set(), what="deliver noticed the outage")
+        cmds = [make_command(f"dev-{i % 2}", "step", {"i": i}) for i in range(20)]
+        await put(inbox, *cmds)
+        d.wake()
+        await asyncio.sleep(0.5)
+        assert set(states(settings).values()) == {"received"}  # nothing delivered, nothing lost
+        broker.start()  # same port, persistence kept
+        dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/cmd").start()
+        try:
+            await async_wait_until(
+                lambda: set(states(settings).values()) == {"delivered"},
+                timeout=15,
+                what="delivered after the outage",
+            )
+            await async_wait_until(lambda: len(dev.messages) == 20, what="device got all 20")
+            for device in ("dev-0", "dev-1"):
+                got = [m.doc["args"]["i"] for m in dev.messages if m.topic == f"edge/{device}/down/cmd"]
+                assert got == sorted(got)
+            assert dev.ids() == [c.id for c in cmds]
+        finally:
+            await dev.stop()
+
+
+@pytest.mark.parametrize("state", [CommandState.ACKED])
+async def test_ack_before_puback_is_not_overwritten(tmp_path: Path, state: CommandState) -> None:
+    settings = downlink_settings(tmp_path)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    try:
+        cmd = make_command("dev-1", "x")
+        await put(inbox, cmd)
+        assert await inbox.apply_acks([Ack(cmd.id, "ok", None)]) == [(cmd.id, state)]
+        # The PUBACK is processed after the device's ack: no regression to delivered.
+        assert await inbox.finish([(cmd.id, CommandState.DELIVERED, "")]) == []
+        assert states(settings)[cmd.id] == "acked"
+        assert await inbox.due_commands(10) == []
+    finally:
+        await inbox.close()
