@@ -146,7 +146,9 @@ class ReturnPoll:
     async def _round(self) -> int:
         """Poll every partition once; the number of messages consumed."""
         total = 0
-        room = self._dl.max_inbox - await self._inbox.waiting()
+        waiting = await self._inbox.waiting()
+        self._metrics.inbox_records.set(waiting)
+        room = self._dl.max_inbox - waiting
         for part in self.partitions:
             if part.is_config:
                 total += await self._poll_or_skip(part, self._dl.poll_batch)
@@ -162,6 +164,8 @@ class ReturnPoll:
             got = await self._poll_or_skip(part, min(self._dl.poll_batch, room))
             room -= got
             total += got
+        if total:
+            self._metrics.inbox_records.set(await self._inbox.waiting())
         return total
 
     async def _poll_or_skip(self, part: _Partition, count: int) -> int:

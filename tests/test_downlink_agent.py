@@ -1,0 +1,436 @@
+"""The return path inside a running agent: real Mosquitto, MemoryIggy in
+process (and a real iggy-server when one is on PATH).
+
+"Hard kill" below cancels the agent's task: no orderly stop, the return path
+is torn down wherever it was awaiting.  SQLite holds only what was committed,
+exactly as after SIGKILL; the MemoryIggy lives on, as the Iggy server would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import gmqtt
+import pytest
+from gmqtt.mqtt.constants import MQTTv50
+from iggy_edge.config import Settings
+from iggy_edge.downlink import return_path
+from iggy_edge.downlink.commands import (
+    Command,
+    commands_topic,
+    config_topic,
+    make_command,
+    make_config,
+    partition_of,
+)
+from iggy_edge.downlink.inbox import read_commands, read_offsets
+from iggy_edge.runtime import Agent
+from iggy_edge.store import read_dead_letters
+from iggy_edge.uplink.factory import consumer_name, make_command_source, make_uplink
+from iggy_edge.uplink.iggy import IggyCommandSource, send_command
+from iggy_edge.uplink.memory import MemoryIggy
+
+from tests.support.broker import Broker
+from tests.support.downlink import DeviceSubscriber, FreezableProxy, downlink_settings
+from tests.support.iggy_server import IggyServer
+from tests.support.wait import async_wait_until
+
+
+def states(settings: Settings) -> dict[str, str]:
+    """Command id -> state, in arrival order (the CLI lists newest first)."""
+    return {r.id: r.state for r in reversed(read_commands(settings.buffer_path, limit=10_000))}
+
+
+def send(iggy: MemoryIggy, settings: Settings, cmd: Command) -> int:
+    """What the cloud side does: the gateway's command topic, the device's partition."""
+    return iggy.publish("edge", commands_topic(settings), partition_of(cmd.device, settings), cmd.wire())
+
+
+def send_raw(iggy: MemoryIggy, settings: Settings, device: str, payload: bytes) -> int:
+    return iggy.publish("edge", commands_topic(settings), partition_of(device, settings), payload)
+
+
+class Running:
+    def __init__(self, settings: Settings, iggy: MemoryIggy) -> None:
+        self.agent = Agent(
+            settings,
+            uplink=iggy.uplink(),
+            command_source=iggy.command_source(consumer_name(settings)),
+            components=(return_path,),
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> Running:
+        self.task = asyncio.create_task(self.agent.run(), name="agent-under-test")
+        await asyncio.wait_for(self.agent.ready.wait(), 10)
+        return self
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.agent.metrics.value(name, **labels)
+
+    async def stop(self) -> None:
+        assert self.task is not None
+        self.agent.stop()
+        await asyncio.wait_for(self.task, 15)
+
+    async def hard_kill(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, iggy: MemoryIggy) -> AsyncIterator[Running]:
+    r = await Running(settings, iggy).start()
+    try:
+        yield r
+    finally:
+        assert r.task is not None
+        if not r.task.done():
+            await r.stop()
+
+
+@contextlib.asynccontextmanager
+async def device(broker: Broker, topic_filter: str = "edge/+/down/#") -> AsyncIterator[DeviceSubscriber]:
+    dev = await DeviceSubscriber(broker.host, broker.port, topic_filter).start()
+    try:
+        yield dev
+    finally:
+        await dev.stop()
+
+
+async def publish(broker: Broker, topic: str, payload: bytes) -> None:
+    client = gmqtt.Client("test-device-ack", clean_session=True)
+    await client.connect(broker.host, broker.port, version=MQTTv50)
+    client.publish(topic, payload, qos=1)
+    await client.disconnect()
+
+
+def stored_offset(settings: Settings, topic: str, partition: int) -> int | None:
+    for stream, t, p, last, _ in read_offsets(settings.buffer_path):
+        if (stream, t, p) == ("edge", topic, partition):
+            return last
+    return None
+
+
+# -- end to end -------------------------------------------------------------------
+
+
+async def test_command_reaches_the_device_is_acked_and_the_offset_is_mirrored(
+    tmp_path: Path, broker: Broker
+) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy(partitions=3)
+    async with device(broker) as dev, running(settings, iggy) as r:
+        cmd = make_command("dev-1", "relay", {"on": True})
+        offset = send(iggy, settings, cmd)
+        await async_wait_until(lambda: dev.ids() == [cmd.id], what="device got the command")
+        await async_wait_until(lambda: states(settings)[cmd.id] == "delivered", what="delivered")
+        # The device acknowledges on up/ack, like device/iggy_device does.
+        await publish(broker, "edge/dev-1/up/ack", json.dumps({"id": cmd.id, "status": "ok"}).encode())
+        await async_wait_until(lambda: states(settings)[cmd.id] == "acked", what="acked")
+        # ... and the ack travels uplink like telemetry, for the cloud side.
+        await async_wait_until(lambda: iggy.count("edge", "acks") == 1, what="ack forwarded to Iggy")
+        part = partition_of("dev-1", settings)
+        topic = commands_topic(settings)
+        assert stored_offset(settings, topic, part) == offset
+        await async_wait_until(
+            lambda: iggy.stored_offset(consumer_name(settings), "edge", topic, part) == offset,
+            what="offset mirrored to the server",
+        )
+        for state in ("received", "delivered", "acked"):
+            assert r.metric("iggy_edge_downlink_commands_total", state=state) == 1
+
+
+async def test_device_error_ack_marks_the_command_failed(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    async with device(broker) as dev, running(settings, iggy) as r:
+        cmd = make_command("dev-1", "nope")
+        send(iggy, settings, cmd)
+        await async_wait_until(lambda: dev.ids() == [cmd.id], what="device got it")
+        ack = {"id": cmd.id, "status": "unknown_command", "error": "nope"}
+        await publish(broker, "edge/dev-1/up/ack", json.dumps(ack).encode())
+        await async_wait_until(lambda: states(settings)[cmd.id] == "failed", what="failed by device ack")
+        row = next(x for x in read_commands(settings.buffer_path) if x.id == cmd.id)
+        assert row.detail == "device: nope"
+        assert r.metric("iggy_edge_downlink_commands_total", state="failed") == 1
+
+
+async def test_malformed_commands_are_dead_lettered_and_consumed(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    bad = [
+        b"not json",
+        b"[1, 2]",
+        json.dumps({"id": "x1", "name": "n"}).encode(),  # no device
+        json.dumps({"id": "x2", "device": "a/b", "name": "n"}).encode(),  # device is not one topic level
+        json.dumps({"id": "x3", "device": "dev-1", "name": "n", "args": [1]}).encode(),
+        json.dumps({"id": "x4", "device": "dev-1", "name": "n", "expires_at": "soon"}).encode(),
+    ]
+    async with device(broker) as dev, running(settings, iggy) as r:
+        for payload in bad:
+            send_raw(iggy, settings, "dev-1", payload)
+        good = make_command("dev-1", "after-the-bad-ones")
+        last = send(iggy, settings, good)
+        await async_wait_until(lambda: dev.ids() == [good.id], what="the good command still arrives")
+        dead = read_dead_letters(settings.buffer_path)
+        assert len(dead) == len(bad)
+        assert {d.reason for d in dead} == {"invalid_command"}
+        assert sorted(d.payload for d in dead) == sorted(bad)
+        assert all(d.mqtt_topic.startswith(b"iggy:edge/commands.gw-test/") for d in dead)
+        assert r.metric("iggy_edge_store_dead_letters_total", reason="invalid_command") == len(bad)
+        assert stored_offset(settings, commands_topic(settings), partition_of("dev-1", settings)) == last
+        assert list(states(settings)) == [good.id]
+
+
+async def test_unknown_device_is_delivered_anyway(tmp_path: Path, broker: Broker) -> None:
+    """No registry: a device the agent never heard from still gets its command
+    (it may be new, or asleep with a persistent session).  With no subscriber
+    at all the broker still acknowledges: `delivered`, never `acked`."""
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    async with running(settings, iggy):
+        ghost = make_command("never-seen", "hello")
+        send(iggy, settings, ghost)
+        await async_wait_until(lambda: states(settings).get(ghost.id) == "delivered", what="delivered")
+
+
+async def test_duplicate_copy_in_iggy_is_delivered_once(tmp_path: Path, broker: Broker) -> None:
+    """The cloud side's ambiguous retry leaves two copies in Iggy (no server
+    de-duplication in 0.9); the command id keeps the device from getting two."""
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    async with device(broker) as dev, running(settings, iggy):
+        cmd, after = make_command("dev-1", "once"), make_command("dev-1", "then")
+        send(iggy, settings, cmd)
+        send(iggy, settings, cmd)
+        send(iggy, settings, after)
+        await async_wait_until(lambda: states(settings).get(after.id) == "delivered", what="all consumed")
+        await async_wait_until(lambda: after.id in dev.ids(), what="device got the last one")
+        await asyncio.sleep(0.2)  # room for a wrong second copy to show up
+        assert dev.ids() == [cmd.id, after.id]
+
+
+async def test_retained_config_replacement_through_the_agent(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    topic, part = config_topic(settings), partition_of("dev-1", settings)
+    async with running(settings, iggy):
+        for period in (10, 20, 30):
+            iggy.publish("edge", topic, part, make_config("dev-1", {"period_s": period}).wire())
+        await async_wait_until(lambda: stored_offset(settings, topic, part) == 2, what="configs consumed")
+        await async_wait_until(lambda: _config_state(settings, "dev-1") == "delivered", what="retained")
+    async with device(broker, "edge/dev-1/down/config") as late:
+        await async_wait_until(lambda: late.messages, what="retained config arrives")
+        await asyncio.sleep(0.2)
+        assert [(m.doc, m.retain) for m in late.messages] == [({"period_s": 30}, True)]
+
+
+def _config_state(settings: Settings, dev: str) -> str:
+    with contextlib.closing(sqlite3.connect(settings.buffer_path)) as c:
+        row = c.execute("SELECT state FROM downlink_config WHERE device = ?", (dev,)).fetchone()
+    return "" if row is None else str(row[0])
+
+
+# -- bounds and outages -----------------------------------------------------------------
+
+
+async def test_full_inbox_pauses_polling_and_commands_stay_in_iggy(tmp_path: Path, broker: Broker) -> None:
+    iggy = MemoryIggy(partitions=1)
+    settings = downlink_settings(
+        tmp_path, broker, iggy={"kind": "memory", "partitions": 1}, downlink={"max_inbox": 3}
+    )
+    broker.stop()  # nothing can be delivered: the inbox fills up
+    cmds = [make_command("dev-1", "step", {"i": i}) for i in range(7)]
+    async with running(settings, iggy) as r:
+        for c in cmds:
+            send(iggy, settings, c)
+        await async_wait_until(
+            lambda: r.metric("iggy_edge_downlink_inbox_full_total") >= 2, what="polling paused"
+        )
+        assert list(states(settings)) == [c.id for c in cmds[:3]]
+        assert stored_offset(settings, commands_topic(settings), 0) == 2  # the rest is still only in Iggy
+        assert r.metric("iggy_edge_downlink_inbox_records") == 3
+        broker.start()
+        async with device(broker) as dev:
+            await async_wait_until(lambda: len(dev.ids()) == 7, timeout=20, what="all 7 delivered, in order")
+            assert dev.ids() == [c.id for c in cmds]
+
+
+async def test_iggy_outage_does_not_stop_delivery(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    broker.stop()
+    cmds = [make_command(f"dev-{i % 3}", "go", {"i": i}) for i in range(9)]
+    async with running(settings, iggy) as r:
+        for c in cmds:
+            send(iggy, settings, c)
+        await async_wait_until(lambda: len(states(settings)) == 9, what="all received")
+        iggy.down = True
+        await async_wait_until(
+            lambda: r.metric("iggy_edge_downlink_errors_total", kind="poll") > 0, what="poll fails"
+        )
+        broker.start()
+        async with device(broker) as dev:
+            await async_wait_until(
+                lambda: len(dev.ids()) == 9, timeout=20, what="delivered while Iggy is down"
+            )
+            await async_wait_until(lambda: set(states(settings).values()) == {"delivered"}, what="recorded")
+            for d in ("dev-0", "dev-1", "dev-2"):
+                assert [m.doc["id"] for m in dev.messages if m.topic == f"edge/{d}/down/cmd"] == [
+                    c.id for c in cmds if c.device == d
+                ]
+        iggy.down = False
+        late = make_command("dev-0", "after-outage")
+        send(iggy, settings, late)
+        await async_wait_until(lambda: states(settings).get(late.id) == "delivered", what="polling resumed")
+
+
+# -- restarts --------------------------------------------------------------------------
+
+
+async def test_kill_between_receiving_and_delivering(tmp_path: Path, broker: Broker) -> None:
+    """Received and committed (offset too), then killed before any delivery:
+    the restarted agent delivers each command once, from the inbox, without
+    reading them from Iggy again."""
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    broker.stop()
+    cmds = [make_command("dev-1", "go", {"i": i}) for i in range(5)]
+    first = await Running(settings, iggy).start()
+    for c in cmds:
+        send(iggy, settings, c)
+    await async_wait_until(lambda: len(states(settings)) == 5, what="received")
+    await first.hard_kill()
+    assert set(states(settings).values()) == {"received"}
+    broker.start()
+    async with device(broker) as dev, running(settings, iggy) as second:
+        await async_wait_until(lambda: set(states(settings).values()) == {"delivered"}, what="delivered")
+        await asyncio.sleep(0.3)  # room for a wrong second copy to show up
+        assert dev.ids() == [c.id for c in cmds]
+        # Resumed after the stored offset: nothing was received a second time.
+        assert second.metric("iggy_edge_downlink_commands_total", state="received") == 0
+        assert second.metric("iggy_edge_downlink_commands_total", state="delivered") == 5
+
+
+async def test_kill_between_broker_puback_and_recording_delivery(
+    tmp_path: Path, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker has the command (the device gets it) but its PUBACK never
+    reaches the agent, which is killed: after the restart the device gets it
+    once more with the same id (at-least-once; the device library drops the
+    repeat by id).  Once recorded, a clean restart delivers nothing again."""
+    proxy = await FreezableProxy(broker.port).start()
+    settings = downlink_settings(tmp_path, mqtt={"host": "127.0.0.1", "port": proxy.port})
+    iggy = MemoryIggy()
+    caplog.set_level(logging.INFO, logger="iggy_edge.downlink.deliver")
+    try:
+        async with device(broker, "edge/dev-1/down/cmd") as dev:
+            first = await Running(settings, iggy).start()
+            await async_wait_until(
+                lambda: any("deliver: connected" in m for m in caplog.messages), what="deliver client up"
+            )
+            proxy.freeze_replies()
+            cmd = make_command("dev-1", "go")
+            send(iggy, settings, cmd)
+            await async_wait_until(lambda: dev.ids() == [cmd.id], what="the broker delivered it")
+            assert states(settings)[cmd.id] == "received"  # the agent never saw the PUBACK
+            await first.hard_kill()
+            proxy.close_all()
+            proxy.thaw()
+
+            async with running(settings, iggy):
+                await async_wait_until(lambda: states(settings)[cmd.id] == "delivered", what="recorded")
+                await async_wait_until(lambda: len(dev.ids()) == 2, what="the repeat")
+            assert dev.ids() == [cmd.id, cmd.id]
+
+            async with running(settings, iggy) as third:  # clean restart: nothing more
+                nxt = make_command("dev-1", "next")
+                send(iggy, settings, nxt)
+                await async_wait_until(lambda: states(settings).get(nxt.id) == "delivered", what="next")
+                assert third.metric("iggy_edge_downlink_commands_total", state="delivered") == 1
+            assert dev.ids() == [cmd.id, cmd.id, nxt.id]
+    finally:
+        await proxy.stop()
+
+
+async def test_clean_restarts_never_deliver_twice(tmp_path: Path, broker: Broker) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    sent: list[Command] = []
+    async with device(broker, "edge/+/down/cmd") as dev:
+        for round_ in range(3):
+            async with running(settings, iggy):
+                batch = [make_command(f"dev-{i}", "r", {"round": round_}) for i in range(4)]
+                for c in batch:
+                    send(iggy, settings, c)
+                sent += batch
+                ids = [c.id for c in sent]
+                await async_wait_until(
+                    lambda ids=ids: all(states(settings).get(i) == "delivered" for i in ids),
+                    what="round delivered",
+                )
+        await asyncio.sleep(0.3)
+        assert sorted(dev.ids()) == sorted(c.id for c in sent)
+        assert len(dev.ids()) == len(set(dev.ids())) == 12
+
+
+# -- a real iggy-server ------------------------------------------------------------------
+
+
+@pytest.mark.iggy
+async def test_real_iggy_command_send_delivery_and_mirrored_offset(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    settings = downlink_settings(
+        tmp_path,
+        broker,
+        iggy={
+            "kind": "iggy",
+            "address": iggy_server.address,
+            "username": iggy_server.username,
+            "password": iggy_server.password,
+            "partitions": 3,
+        },
+    )
+    agent = Agent(
+        settings,
+        uplink=make_uplink(settings),
+        command_source=make_command_source(settings),
+        components=(return_path,),
+    )
+    task = asyncio.create_task(agent.run())
+    try:
+        async with device(broker) as dev:
+            cmds = [make_command("dev-1", "go", {"i": i}) for i in range(3)]
+            for c in cmds:
+                await send_command(
+                    settings.iggy, "edge", commands_topic(settings), partition_of("dev-1", settings), c.wire()
+                )
+            await async_wait_until(lambda: dev.ids() == [c.id for c in cmds], timeout=30, what="delivered")
+            part = partition_of("dev-1", settings)
+            await async_wait_until(
+                lambda: stored_offset(settings, commands_topic(settings), part) == 2, what="stored offset"
+            )
+            probe = IggyCommandSource(settings.iggy, settings.gateway_id, consumer_name(settings))
+            try:
+                mirrored: int | None = None
+                for _ in range(100):
+                    mirrored = await probe.read_mirrored_offset("edge", commands_topic(settings), part)
+                    if mirrored == 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert mirrored == 2
+            finally:
+                await probe.close()
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 20)
