@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import buffer, config_cmd, demo, device, doctor, run, service, status
+from . import buffer, command, config_cmd, demo, device, doctor, run, service, status
 
 app = typer.Typer(
     name="iggy-edge",
@@ -34,7 +34,9 @@ def main(
 
 app.command("run")(run.run)
 app.command("demo")(demo.demo)
+config_cmd.app.command("push")(command.config_push)
 app.add_typer(config_cmd.app, name="config")
+app.add_typer(command.app, name="command")
 app.add_typer(buffer.app, name="buffer")
 app.command("status")(status.status)
 app.command("doctor")(doctor.doctor)

@@ -1,0 +1,151 @@
+"""`iggy-edge command send|list` and `iggy-edge config push`: the return path
+from an operator's seat.
+
+`send` and `push` write into Iggy exactly what the cloud side would: the
+gateway's own topic (``commands.<gateway>`` / ``config.<gateway>``), the
+device's partition.  They need a real server (``[iggy] kind = "iggy"`` or
+IGGY_ADDRESS): with ``kind = "memory"`` the store lives inside the agent's
+process and another process cannot reach it.  `list` reads the agent's
+buffer database read-only; it works while the agent runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..config import Settings
+from ..downlink.commands import (
+    InvalidCommand,
+    commands_topic,
+    config_topic,
+    make_command,
+    make_config,
+    partition_of,
+)
+from ..downlink.inbox import read_commands, read_offsets
+from ..uplink.iggy import send_command
+from ..uplink.protocol import UplinkError
+from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+
+app = typer.Typer(help="Send commands to devices through Iggy and see their states.", no_args_is_help=True)
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
+def _publish(settings: Settings, topic: str, device: str, payload: bytes) -> dict[str, Any]:
+    if settings.iggy.kind != "iggy":
+        raise _fail(
+            f'iggy kind is "{settings.iggy.kind}": sending needs a real Iggy server ([iggy] kind = "iggy" '
+            "or IGGY_ADDRESS). A memory Iggy lives inside the agent process and cannot be reached from here.",
+            2,
+        )
+    stream, partition = settings.downlink.stream, partition_of(device, settings)
+    try:
+        offset = asyncio.run(send_command(settings.iggy, stream, topic, partition, payload))
+    except UplinkError as e:
+        raise _fail(f"not sent: {e}") from None
+    return {"stream": stream, "topic": topic, "partition": partition, "offset": offset}
+
+
+@app.command("send")
+def send(
+    device: Annotated[str, typer.Option("--device", "-d", help="Target device id.")],
+    name: Annotated[str, typer.Option("--name", "-n", help="Command name.")],
+    args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
+    ttl: Annotated[
+        float | None,
+        typer.Option("--ttl", min=0.001, help="Seconds until it expires (default downlink.default_ttl_s)."),
+    ] = None,
+    command_id: Annotated[str | None, typer.Option("--id", help="Command id (default: random).")] = None,
+    config: ConfigOption = DEFAULT_CONFIG,
+) -> None:
+    """Write a command for DEVICE into Iggy, as the cloud side would; prints its id."""
+    settings = load_or_exit(config)
+    try:
+        parsed_args = json.loads(args)
+    except json.JSONDecodeError as e:
+        raise _fail(f"--args is not JSON: {e}", 2) from None
+    if not isinstance(parsed_args, dict):
+        raise _fail("--args must be a JSON object", 2)
+    try:
+        cmd = make_command(
+            device,
+            name,
+            parsed_args,
+            ttl_s=ttl if ttl is not None else settings.downlink.default_ttl_s,
+            command_id=command_id,
+        )
+    except InvalidCommand as e:
+        raise _fail(str(e), 2) from None
+    where = _publish(settings, commands_topic(settings), device, cmd.wire())
+    typer.echo(json.dumps({"id": cmd.id, "device": device, "expires_at": cmd.expires_at, **where}))
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command("list")
+def list_commands(
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many, newest first.")] = 20,
+    device: Annotated[str | None, typer.Option("--device", "-d", help="Only this device.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    config: ConfigOption = DEFAULT_CONFIG,
+) -> None:
+    """Recent commands and their states (received, delivered, acked, expired, failed)."""
+    settings = load_or_exit(config)
+    try:
+        rows = read_commands(settings.buffer_path, limit=limit, device=device)
+        offsets = read_offsets(settings.buffer_path)
+    except FileNotFoundError as e:
+        raise _fail(str(e)) from None
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps(r.as_dict()))
+        return
+    if not rows:
+        typer.echo("no commands")
+    else:
+        typer.echo(f"{'ID':<18} {'DEVICE':<16} {'NAME':<16} {'STATE':<10} {'UPDATED':<19} DETAIL")
+        for r in rows:
+            typer.echo(
+                f"{r.id:<18} {r.device:<16} {r.name:<16} {r.state:<10} {_when(r.updated_at):<19} {r.detail}"
+            )
+    for stream, topic, partition, last, mirrored in offsets:
+        lag = "" if mirrored == last else f" (server has {mirrored})"
+        typer.echo(f"offset {stream}/{topic}/{partition}: {last}{lag}")
+
+
+def config_push(
+    file: Annotated[
+        Path, typer.Argument(help="Desired configuration: a JSON object.", exists=True, dir_okay=False)
+    ],
+    device: Annotated[str, typer.Option("--device", "-d", help="Target device id.")],
+    config_id: Annotated[
+        str | None, typer.Option("--id", help="Config id/version (default: random).")
+    ] = None,
+    config: ConfigOption = DEFAULT_CONFIG,
+) -> None:
+    """Send FILE as DEVICE's desired configuration (published retained to the device)."""
+    settings = load_or_exit(config)
+    try:
+        desired = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(f"{file}: not readable JSON: {e}", 2) from None
+    if not isinstance(desired, dict):
+        raise _fail(f"{file}: must hold a JSON object", 2)
+    try:
+        cfg = make_config(device, desired, config_id=config_id)
+    except InvalidCommand as e:
+        raise _fail(str(e), 2) from None
+    where = _publish(settings, config_topic(settings), device, cfg.wire())
+    typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))
