@@ -256,6 +256,13 @@ class Outbox:
         self._route_ids: dict[Route | tuple[str, str], int] = {}
         self._route_names: dict[int, tuple[str, str]] = {}
         self._pending = _Group()
+        # Every statement of the running outbox goes through this lock: the
+        # committer, the forwarder, ingest's dead letters and housekeeping share
+        # one connection, and a BEGIN ... COMMIT spans awaits.  Without it their
+        # transactions interleave ("cannot start a transaction within a
+        # transaction"), a read sees another task's uncommitted rows, and one
+        # task's PRAGMA synchronous changes another's commit.
+        self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._data_available = asyncio.Event()
         self._closed = False
@@ -389,7 +396,8 @@ class Outbox:
         started = time.perf_counter()
         done = group.done
         try:
-            await self._insert(group.items)
+            async with self._lock:
+                await self._insert(group.items)
         except (sqlite3.Error, OSError) as e:
             self._metrics.store_errors.inc()
             err = StoreError(f"commit failed: {e}")
@@ -563,6 +571,19 @@ class Outbox:
     ) -> None:
         """Store a message that cannot be routed, with its reason (committed
         before returning, like any record)."""
+        async with self._lock:
+            await self._dead_letter(mqtt_topic, payload, qos, retain, reason, detail, received_us)
+
+    async def _dead_letter(
+        self,
+        mqtt_topic: str | bytes,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        reason: str,
+        detail: str,
+        received_us: int | None,
+    ) -> None:
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         cap = self._settings.max_payload_bytes
         await self._conn.execute(f"PRAGMA synchronous={self._sync_insert}")
@@ -611,11 +632,14 @@ class Outbox:
 
     async def read_batch(self, max_records: int, max_bytes: int) -> list[OutboundRecord]:
         """The oldest records, in seq order, up to the limits (at least one)."""
-        async with self._conn.execute(
-            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-            " FROM outbox ORDER BY seq LIMIT ?",
-            (max_records,),
-        ) as cur:
+        async with (
+            self._lock,
+            self._conn.execute(
+                "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
+                " FROM outbox ORDER BY seq LIMIT ?",
+                (max_records,),
+            ) as cur,
+        ):
             rows = await cur.fetchall()
         out: list[OutboundRecord] = []
         total = 0
@@ -641,6 +665,10 @@ class Outbox:
 
     async def confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None = None) -> int:
         """Delete what Iggy confirmed: the whole batch, or only `confirmed` seqs."""
+        async with self._lock:
+            return await self._confirm(batch, confirmed)
+
+    async def _confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None) -> int:
         if not batch:
             return 0
         await self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -682,21 +710,8 @@ class Outbox:
         cutoff = (now_us or time.time_ns() // 1000) - ttl * 1_000_000
         total = 0
         while True:
-            await self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                async with self._conn.execute(
-                    "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE received_us < ?"
-                    " ORDER BY seq LIMIT 5000) RETURNING length(payload) + length(mqtt_topic)",
-                    (cutoff,),
-                ) as cur:
-                    sizes = list(await cur.fetchall())
-                if sizes:
-                    await self._count_drop("ttl_expired", len(sizes))
-                await self._conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    await self._conn.execute("ROLLBACK")
-                raise
+            async with self._lock:  # per chunk, so ingest commits go on between chunks
+                sizes = await self._expire_chunk(cutoff)
             if not sizes:
                 break
             total += len(sizes)
@@ -708,8 +723,29 @@ class Outbox:
         self._update_gauges()
         return total
 
+    async def _expire_chunk(self, cutoff: int) -> list[Any]:
+        await self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            async with self._conn.execute(
+                "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE received_us < ?"
+                " ORDER BY seq LIMIT 5000) RETURNING length(payload) + length(mqtt_topic)",
+                (cutoff,),
+            ) as cur:
+                sizes = list(await cur.fetchall())
+            if sizes:
+                await self._count_drop("ttl_expired", len(sizes))
+            await self._conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                await self._conn.execute("ROLLBACK")
+            raise
+        return sizes
+
     async def oldest_received_us(self) -> int | None:
-        async with self._conn.execute("SELECT received_us FROM outbox ORDER BY seq LIMIT 1") as cur:
+        async with (
+            self._lock,
+            self._conn.execute("SELECT received_us FROM outbox ORDER BY seq LIMIT 1") as cur,
+        ):
             row = await cur.fetchone()
         return None if row is None else int(row[0])
 
