@@ -1,0 +1,138 @@
+"""A minimal MQTT 3.1.1 publisher that knows which messages the broker acknowledged.
+
+Tests need exactly one fact a general client hides: which QoS1 PUBLISHes the
+*broker* answered with PUBACK (the broker took responsibility for them).
+This speaks the few packets needed (CONNECT, PUBLISH, PUBACK, DISCONNECT)
+on an asyncio stream, so every acknowledgement is observed, not assumed.
+It is a real client talking to the real broker, not a test double.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from typing import Any
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n % 128, n // 128
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _str(s: bytes) -> bytes:
+    return struct.pack("!H", len(s)) + s
+
+
+class Publisher:
+    """QoS0/1 publisher.  `acked` holds the tag of every message the broker
+    acknowledged (PUBACK), in acknowledgement order."""
+
+    def __init__(self, host: str, port: int, client_id: str, *, max_inflight: int = 500) -> None:
+        self.host = host
+        self.port = port
+        self.client_id = client_id
+        self.acked: list[Any] = []
+        self._inflight: dict[int, Any] = {}
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._next_id = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    async def connect(self, timeout: float = 5.0) -> Publisher:
+        self._reader, self._writer = await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port), timeout
+        )
+        body = _str(b"MQTT") + bytes([4, 0x02]) + struct.pack("!H", 60) + _str(self.client_id.encode())
+        self._writer.write(b"\x10" + _varint(len(body)) + body)
+        head = await asyncio.wait_for(self._reader.readexactly(4), timeout)
+        if head[0] != 0x20 or head[3] != 0:
+            raise ConnectionError(f"CONNACK refused: {head!r}")
+        self._task = asyncio.create_task(self._read_loop(), name=f"publisher-{self.client_id}")
+        return self
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        while True:
+            try:
+                first = await self._reader.readexactly(1)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length, shift = 0, 0
+            while True:
+                b = (await self._reader.readexactly(1))[0]
+                length |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+            data = await self._reader.readexactly(length)
+            if first[0] & 0xF0 == 0x40:  # PUBACK
+                (pid,) = struct.unpack("!H", data[:2])
+                if pid in self._inflight:
+                    self.acked.append(self._inflight.pop(pid))
+                    self._slots.release()
+                if not self._inflight:
+                    self._drained.set()
+
+    async def publish(
+        self, topic: str | bytes, payload: bytes, *, qos: int = 1, retain: bool = False, tag: Any = None
+    ) -> None:
+        """Send one PUBLISH; for QoS1 the ack is recorded in `acked` as `tag`."""
+        assert self._writer is not None
+        topic_b = topic.encode() if isinstance(topic, str) else topic
+        var = _str(topic_b)
+        if qos:
+            # bounded: a broker that stops acknowledging fails the test instead of hanging it
+            await asyncio.wait_for(self._slots.acquire(), 30)
+            self._next_id = self._next_id % 65535 + 1
+            while self._next_id in self._inflight:
+                self._next_id = self._next_id % 65535 + 1
+            self._inflight[self._next_id] = tag
+            self._drained.clear()
+            var += struct.pack("!H", self._next_id)
+        body = var + payload
+        self._writer.write(bytes([0x30 | qos << 1 | int(retain)]) + _varint(len(body)) + body)
+        await self._writer.drain()
+
+    async def wait_all_acked(self, timeout: float = 10.0) -> None:
+        await asyncio.wait_for(self._drained.wait(), timeout)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(ConnectionError):
+                self._writer.write(b"\xe0\x00")
+                await self._writer.drain()
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def publish_all(
+    host: str,
+    port: int,
+    client_id: str,
+    messages: list[tuple[str, bytes]],
+    *,
+    qos: int = 1,
+    retain: bool = False,
+) -> None:
+    """Publish a list of (topic, payload) and wait until the broker acknowledged all."""
+    pub = await Publisher(host, port, client_id).connect()
+    try:
+        for topic, payload in messages:
+            await pub.publish(topic, payload, qos=qos, retain=retain)
+        if qos:
+            await pub.wait_all_acked(timeout=30)
+    finally:
+        await pub.close()
