@@ -177,8 +177,11 @@ class Inbox:
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[None]:
         async with self._lock:
-            await self._conn.execute("BEGIN IMMEDIATE")
+            # BEGIN inside the try: a task cancelled while awaiting BEGIN
+            # still has it executed by aiosqlite's thread, and the connection
+            # must not be left inside that transaction for the next caller.
             try:
+                await self._conn.execute("BEGIN IMMEDIATE")
                 yield
                 await self._conn.execute("COMMIT")
             except BaseException:
