@@ -4,11 +4,27 @@ credentials file, secrets never printed."""
 from __future__ import annotations
 
 import json
+import re
+from importlib import resources
 from pathlib import Path
 
 import pytest
 from iggy_edge.cli.main import app
-from iggy_edge.config import ConfigError, load_config, parse_config
+from iggy_edge.config import (
+    BufferSettings,
+    ConfigError,
+    DownlinkSettings,
+    ForwardSettings,
+    IggySettings,
+    LoggingSettings,
+    MetricsSettings,
+    MqttSettings,
+    RouteSettings,
+    Settings,
+    load_config,
+    parse_config,
+)
+from pydantic import BaseModel
 from typer.testing import CliRunner
 
 MINIMAL = 'gateway_id = "gw-1"\n'
@@ -239,3 +255,52 @@ def test_config_check_show_never_prints_secrets(tmp_path: Path) -> None:
     assert shown["iggy"]["password"] == "**********"
     assert shown["mqtt"]["password"] == "**********"
     assert shown["mqtt"]["username"] == "u"
+
+
+# -- the shipped, annotated example ------------------------------------------------
+
+
+def example_config() -> Path:
+    path = Path(str(resources.files("iggy_edge") / "examples" / "config.toml"))
+    assert path.is_file(), "the annotated example ships as package data"
+    return path
+
+
+def test_config_check_accepts_the_shipped_example() -> None:
+    result = runner.invoke(app, ["config", "check", str(example_config())], env={})
+    assert result.exit_code == 0, result.output
+
+
+def test_example_states_the_real_defaults() -> None:
+    """Every value the example sets is the documented default, so the file
+    and the code cannot drift apart."""
+    example = load_config(example_config(), env={})
+    defaults = parse_config({"gateway_id": example.gateway_id}, env={})
+    assert example == defaults
+
+
+def test_example_mentions_every_key() -> None:
+    text = example_config().read_text()
+    sections: dict[str, type[BaseModel]] = {
+        "": Settings,
+        "mqtt": MqttSettings,
+        "iggy": IggySettings,
+        "routes": RouteSettings,
+        "buffer": BufferSettings,
+        "forward": ForwardSettings,
+        "downlink": DownlinkSettings,
+        "metrics": MetricsSettings,
+        "logging": LoggingSettings,
+    }
+    missing = []
+    for section, model in sections.items():
+        for name in model.model_fields:
+            if name in sections or name == "password":  # secrets: env or credentials file only
+                continue
+            if not re.search(rf"^#?\s*{name} =", text, re.MULTILINE):
+                missing.append(f"{section}.{name}".lstrip("."))
+    assert not missing, f"keys not explained in examples/config.toml: {missing}"
+    assert "credentials_file" in text
+    assert "IGGY_PASSWORD" in text
+    assert "IGGY_EDGE_MQTT_PASSWORD" in text
+    assert not re.search(r"^\s*password\s*=", text, re.MULTILINE), "no secret in the example"
