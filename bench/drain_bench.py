@@ -1,0 +1,231 @@
+"""Drain: a backlog of 1,000,000 outbox records sent to the uplink.
+
+The backlog is filled through `Outbox.submit` (the ingest side of the store,
+without MQTT: 10 devices, 60-byte JSON payloads with a device ``"seq"``),
+checkpointed, and copied for every run so each run starts from the same file.
+Then the real `Forwarder` (default `[forward]` settings) drains it:
+
+* to `MemoryIggy` (``keep_payloads=False``: it keeps ids and keys only) --
+  the agent's own cost of read -> build records -> send -> confirm/delete;
+* to a real Iggy server when ``iggy-server`` is on PATH (started on a free
+  port by tests/support/iggy_server.py); otherwise a "skipped" line says why.
+
+Reference, in the same run on a copy of the same file: plain `sqlite3` (no
+aiosqlite, no record objects, no uplink) reading the same batches in seq
+order and deleting each after reading -- the floor the storage sets.
+
+    .venv/bin/python bench/drain_bench.py [--quick] [--records N] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import emit, emit_machine, payload_60, skipped, spread
+from iggy_edge.config import parse_config
+from iggy_edge.forward import Forwarder
+from iggy_edge.metrics import Metrics
+from iggy_edge.records import Route
+from iggy_edge.store import Incoming, Outbox
+from iggy_edge.uplink.iggy import IggyUplink
+from iggy_edge.uplink.memory import MemoryIggy
+
+from tests.support.iggy_server import IggyServer
+
+BENCH = "drain"
+DEVICES = 10
+
+
+def _settings(state: Path, **iggy: Any) -> Any:
+    return parse_config(
+        {
+            "gateway_id": "bench",
+            "state_dir": str(state),
+            "iggy": iggy or {"kind": "none"},
+            "buffer": {"synchronous": "normal", "commit_interval_ms": 0},
+            "downlink": {"enabled": False},
+            "metrics": {"enabled": False},
+        },
+        env={},
+    )
+
+
+async def fill(path: Path, records: int) -> float:
+    """Fill a fresh outbox with `records` records; returns records/s."""
+    settings = _settings(path.parent)
+    box = await Outbox.open(path, settings.buffer, settings.gateway_id, Metrics())
+    box.start()
+    routes = [Route("edge", "telemetry", f"dev{d}") for d in range(DEVICES)]
+    topics = [f"edge/dev{d}/up/env" for d in range(DEVICES)]
+    started = time.perf_counter()
+    chunk = 20_000
+    now_us = time.time_ns() // 1000
+    for lo in range(0, records, chunk):
+        done = None
+        for i in range(lo, min(records, lo + chunk)):
+            d, seq = i % DEVICES, i // DEVICES + 1
+            done = box.submit(Incoming(routes[d], topics[d], 1, False, now_us, payload_60(d, seq), seq))
+        assert done is not None
+        await done
+    rate = records / (time.perf_counter() - started)
+    await box.close()  # checkpoints the WAL into the main file
+    return rate
+
+
+async def drain(path: Path, records: int, uplink: Any, settings: Any) -> float:
+    """The Forwarder drains the outbox at `path` into `uplink`; seconds."""
+    metrics = Metrics()
+    box = await Outbox.open(path, settings.buffer, settings.gateway_id, metrics)
+    box.start()
+    assert box.records == records, (box.records, records)
+    forwarder = Forwarder(box, uplink, settings.forward, metrics)
+    started = time.perf_counter()
+    task = asyncio.create_task(forwarder.run())
+    while box.records > 0 and not task.done():  # noqa: ASYNC110 - polling is the stopwatch
+        await asyncio.sleep(0.005)
+    seconds = time.perf_counter() - started
+    forwarder.stop()
+    await task
+    await box.close()
+    sent = metrics.forwarded._value.get()
+    if sent != records:
+        raise RuntimeError(f"forwarded {sent} of {records}")
+    return seconds
+
+
+def reference(path: Path, records: int, batch: int) -> float:
+    """Plain sqlite3: read each batch in seq order, delete it; seconds."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    started = time.perf_counter()
+    done = 0
+    while True:
+        rows = conn.execute(
+            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
+            " FROM outbox ORDER BY seq LIMIT ?",
+            (batch,),
+        ).fetchall()
+        if not rows:
+            break
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (rows[0][0], rows[-1][0]))
+        conn.execute("COMMIT")
+        done += len(rows)
+    seconds = time.perf_counter() - started
+    conn.close()
+    if done != records:
+        raise RuntimeError(f"reference read {done} of {records}")
+    return seconds
+
+
+def copy_db(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def run_iggy(src: Path, workdir: Path, records: int) -> None:
+    if shutil.which("iggy-server") is None:
+        skipped(BENCH, "iggy_rate", "iggy-server not on PATH (see tests/support/iggy_server.py to build it)")
+        return
+    server = IggyServer(workdir / "iggy").start()
+    try:
+        path = copy_db(src, workdir / "iggy-run" / "buffer.db")
+        settings = _settings(
+            path.parent,
+            kind="iggy",
+            address=server.address,
+            username=server.username,
+            password=server.password,
+        )
+        uplink = IggyUplink(settings.iggy, settings.gateway_id, topics=[("edge", "telemetry")])
+        seconds = asyncio.run(drain(path, records, uplink, settings))
+    finally:
+        server.stop()
+    emit(
+        BENCH,
+        "iggy_rate",
+        round(records / seconds),
+        "records/s",
+        seconds=round(seconds, 2),
+        records=records,
+        uplink="real iggy-server on loopback (1 shard)",
+        batch_records=settings.forward.batch_records,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-iggy", action="store_true", help="skip the real Iggy run")
+    a = ap.parse_args()
+    records, repeat = (5000, 1) if a.quick else (a.records, a.repeat)
+    emit_machine(BENCH)
+    with tempfile.TemporaryDirectory(prefix="iggy-edge-drain-") as tmp:
+        work = Path(tmp)
+        src = work / "src" / "buffer.db"
+        src.parent.mkdir()
+        fill_rate = asyncio.run(fill(src, records))
+        emit(
+            BENCH,
+            "fill_rate",
+            round(fill_rate),
+            "records/s",
+            records=records,
+            note="Outbox.submit group commit, synchronous=normal, no MQTT",
+        )
+        batch = _settings(work).forward.batch_records
+        rates: list[float] = []
+        ref_rates: list[float] = []
+        for r in range(repeat):
+            run = work / f"run{r}"
+            pair = [
+                ("agent", copy_db(src, run / "agent" / "buffer.db")),
+                ("ref", copy_db(src, run / "ref" / "buffer.db")),
+            ]
+            for name, path in pair[:: 1 if r % 2 == 0 else -1]:
+                if name == "agent":
+                    iggy = MemoryIggy(keep_payloads=False)
+                    secs = asyncio.run(drain(path, records, iggy.uplink(), _settings(path.parent)))
+                    if iggy.count() != records:
+                        raise RuntimeError(f"memory iggy holds {iggy.count()} of {records}")
+                    rates.append(records / secs)
+                else:
+                    ref_rates.append(records / reference(path, records, batch))
+            shutil.rmtree(run)
+        s = spread(rates, 0)
+        emit(
+            BENCH,
+            "memory_rate",
+            s["median"],
+            "records/s",
+            target=100_000,
+            records=records,
+            seconds=round(records / s["median"], 2),
+            spread=s,
+            reference=spread(ref_rates, 0)["median"],
+            reference_name="plain sqlite3 read+delete of the same batches",
+            reference_spread=spread(ref_rates, 0),
+            batch_records=batch,
+            uplink="MemoryIggy(keep_payloads=False)",
+        )
+        if not a.no_iggy:
+            run_iggy(src, work, records)
+
+
+if __name__ == "__main__":
+    main()

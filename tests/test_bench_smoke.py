@@ -1,0 +1,39 @@
+"""Every benchmark runs in --quick mode and prints JSON lines that parse.
+
+Only the shape is checked, never the figures: timings on a shared machine are
+not a test (see bench/ for the measured numbers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.broker import mosquitto_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = ["ingest", "drain", "memory", "disk"]
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_quick_prints_json_figures(name: str) -> None:
+    if name in ("ingest", "memory") and mosquitto_binary() is None:
+        pytest.fail("mosquitto is not installed: run .ci/setup")
+    extra = ["--no-iggy"] if name == "drain" else []
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}_bench.py"), "--quick", *extra],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    ).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert lines, "no output"
+    assert all(line["bench"] == name and "figure" in line and "value" in line for line in lines)
+    figures = {line["figure"] for line in lines}
+    assert "machine" in figures
+    assert len(figures) > 1, figures
