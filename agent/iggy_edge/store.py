@@ -251,6 +251,7 @@ class Outbox:
         self._gateway_hash = gateway_hash32(gateway_id)
         self._metrics = metrics
         self._sync_insert = settings.synchronous.upper()
+        self._sync_now = ""  # PRAGMA synchronous as last set (only this class sets it)
         self._limited = RateLimitedLog(log)
         self._epoch = 0
         self._route_ids: dict[Route | tuple[str, str], int] = {}
@@ -350,6 +351,14 @@ class Outbox:
         async with self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)) as cur:
             row = await cur.fetchone()
         return None if row is None else str(row[0])
+
+    async def _synchronous(self, level: str) -> None:
+        """PRAGMA synchronous for the next commit (lock held), skipping the round
+        trip when it is already set: inserts use the configured level, deletes
+        NORMAL, and only this class sets it on this connection."""
+        if self._sync_now != level:
+            await self._conn.execute(f"PRAGMA synchronous={level}")
+            self._sync_now = level
 
     # -- ingest side ------------------------------------------------------
 
@@ -459,7 +468,7 @@ class Outbox:
                 row = rows.pop()
                 add_bytes -= _accounted(len(row[6]), row[2])
                 rejected += 1
-        await self._conn.execute(f"PRAGMA synchronous={self._sync_insert}")
+        await self._synchronous(self._sync_insert)
         await self._conn.execute("BEGIN IMMEDIATE")
         try:
             freed_records = freed_bytes = 0
@@ -586,7 +595,7 @@ class Outbox:
     ) -> None:
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         cap = self._settings.max_payload_bytes
-        await self._conn.execute(f"PRAGMA synchronous={self._sync_insert}")
+        await self._synchronous(self._sync_insert)
         await self._conn.execute("BEGIN IMMEDIATE")
         try:
             await self._conn.execute(
@@ -632,15 +641,12 @@ class Outbox:
 
     async def read_batch(self, max_records: int, max_bytes: int) -> list[OutboundRecord]:
         """The oldest records, in seq order, up to the limits (at least one)."""
-        async with (
-            self._lock,
-            self._conn.execute(
+        async with self._lock:
+            rows = await self._conn.execute_fetchall(  # one round trip to the SQLite thread
                 "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
                 " FROM outbox ORDER BY seq LIMIT ?",
                 (max_records,),
-            ) as cur,
-        ):
-            rows = await cur.fetchall()
+            )
         out: list[OutboundRecord] = []
         total = 0
         high = (self._gateway_hash << 96) | (self._epoch << 64)
@@ -671,27 +677,30 @@ class Outbox:
     async def _confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None) -> int:
         if not batch:
             return 0
-        await self._conn.execute("PRAGMA synchronous=NORMAL")
         if confirmed is None:
-            lo, hi = batch[0].seq, batch[-1].seq
-            sql = "DELETE FROM outbox WHERE seq BETWEEN ? AND ?"
-            params: list[tuple[int, ...]] = [(lo, hi)]
             gone = batch
         else:
             gone = [r for r in batch if r.seq in confirmed]
             if not gone:
                 return 0
-            sql, params = "DELETE FROM outbox WHERE seq = ?", [(r.seq,) for r in gone]
-        await self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            deleted_before = self._conn.total_changes
-            await self._conn.executemany(sql, params)
-            deleted = self._conn.total_changes - deleted_before
-            await self._conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                await self._conn.execute("ROLLBACK")
-            raise
+        await self._synchronous("NORMAL")
+        deleted_before = self._conn.total_changes
+        if confirmed is None:
+            # One statement is its own transaction (autocommit): one round trip
+            # to the SQLite thread instead of BEGIN / DELETE / COMMIT.
+            await self._conn.execute_fetchall(
+                "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (batch[0].seq, batch[-1].seq)
+            )
+        else:
+            await self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                await self._conn.executemany("DELETE FROM outbox WHERE seq = ?", [(r.seq,) for r in gone])
+                await self._conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    await self._conn.execute("ROLLBACK")
+                raise
+        deleted = self._conn.total_changes - deleted_before
         # Rows dropped by drop_oldest while in flight were already accounted.
         if deleted:
             freed = sum(_accounted(len(r.payload), r.headers[HEADER_MQTT_TOPIC]) for r in gone)
