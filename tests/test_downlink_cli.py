@@ -129,12 +129,11 @@ async def test_send_and_push_through_a_real_iggy_server(
             _, out, _ = await cli("command", "list", "-c", str(conf), "--json")
             return any(json.loads(x)["state"] == "delivered" for x in out.splitlines())
 
-        for _ in range(50):
-            if await listed_delivered():
-                break
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await listed_delivered():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("command list never showed the command as delivered")
             await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("command list never showed the command as delivered")
     finally:
         await dev.stop()
         agent.stop()
