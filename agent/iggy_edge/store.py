@@ -469,8 +469,8 @@ class Outbox:
                 add_bytes -= _accounted(len(row[6]), row[2])
                 rejected += 1
         await self._synchronous(self._sync_insert)
-        await self._conn.execute("BEGIN IMMEDIATE")
         try:
+            await self._conn.execute("BEGIN IMMEDIATE")  # inside try: a cancelled BEGIN still rolls back
             freed_records = freed_bytes = 0
             if s.overflow == "drop_oldest" and (over_records > 0 or over_bytes > 0):
                 freed_records, freed_bytes = await self._drop_oldest(max(over_records, 0), max(over_bytes, 0))
@@ -596,8 +596,8 @@ class Outbox:
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         cap = self._settings.max_payload_bytes
         await self._synchronous(self._sync_insert)
-        await self._conn.execute("BEGIN IMMEDIATE")
         try:
+            await self._conn.execute("BEGIN IMMEDIATE")  # inside try: a cancelled BEGIN still rolls back
             await self._conn.execute(
                 "INSERT INTO dead_letters(received_us, mqtt_topic, qos, retain, reason, detail, payload,"
                 " payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -622,6 +622,10 @@ class Outbox:
                 await self._conn.execute("ROLLBACK")
             self._metrics.store_errors.inc()
             raise StoreError(f"dead letter not stored: {e}") from e
+        except BaseException:  # cancelled: leave no transaction open on the shared connection
+            with contextlib.suppress(sqlite3.Error):
+                await self._conn.execute("ROLLBACK")
+            raise
         self._metrics.dead_letters.labels(reason).inc()
         self._limited.warning(
             f"dead:{reason}", "dead letter (%s): topic %r: %s", reason, topic_b[:200], detail
@@ -692,8 +696,8 @@ class Outbox:
                 "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (batch[0].seq, batch[-1].seq)
             )
         else:
-            await self._conn.execute("BEGIN IMMEDIATE")
             try:
+                await self._conn.execute("BEGIN IMMEDIATE")  # inside try: a cancelled BEGIN still rolls back
                 await self._conn.executemany("DELETE FROM outbox WHERE seq = ?", [(r.seq,) for r in gone])
                 await self._conn.execute("COMMIT")
             except BaseException:
@@ -733,8 +737,8 @@ class Outbox:
         return total
 
     async def _expire_chunk(self, cutoff: int) -> list[Any]:
-        await self._conn.execute("BEGIN IMMEDIATE")
         try:
+            await self._conn.execute("BEGIN IMMEDIATE")  # inside try: a cancelled BEGIN still rolls back
             async with self._conn.execute(
                 "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE received_us < ?"
                 " ORDER BY seq LIMIT 5000) RETURNING length(payload) + length(mqtt_topic)",
