@@ -89,7 +89,7 @@ async def _agent_subject(port: int, state: Path, sync: str, expect: int, qos: in
     while time.perf_counter() < deadline:
         await asyncio.sleep(0.002)
         now = time.perf_counter()
-        if first is None and received._value.get() > 0:
+        if first is None and (outbox.pending_count or outbox.records > base or received._value.get()):
             first = now
         committed = outbox.records - base
         lost = int(dropped._value.get())
