@@ -130,3 +130,19 @@ def test_demo_smoke(tmp_path: Path) -> None:
     assert buffered > 0
     assert published > 0
     assert (tmp_path / "demo" / "buffer.db").exists()
+
+
+def test_config_example_prints_a_config_that_checks(tmp_path: Path) -> None:
+    result = cli("config", "example")
+    assert result.returncode == 0, result.stderr
+    assert "gateway_id" in result.stdout
+    path = tmp_path / "config.toml"
+    path.write_text(result.stdout)
+    checked = cli("config", "check", str(path))
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_packaged_config_checks() -> None:
+    packaged = Path(__file__).parent.parent / "packaging" / "config" / "config.toml"
+    result = cli("config", "check", str(packaged))
+    assert result.returncode == 0, result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
@@ -32,3 +33,13 @@ def check(
     b = settings.buffer
     typer.echo(f"  buffer {settings.buffer_path} ({b.overflow}, synchronous={b.synchronous})")
     typer.echo(f"  routes: {routes}")
+
+
+@app.command("example")
+def example() -> None:
+    """Print the annotated example configuration (every key, its default and meaning).
+
+    Start a new gateway with:  iggy-edge config example > config.toml
+    """
+    text = resources.files("iggy_edge").joinpath("examples/config.toml").read_text()
+    typer.echo(text, nl=False)
