@@ -159,7 +159,12 @@ class Ingest:
                     CONNECT_TIMEOUT_S,
                 )
                 for sub in self._mqtt.subscriptions:
-                    client.subscribe(sub.filter, qos=sub.qos)
+                    # retain_handling=1: retained messages only when the
+                    # subscription is new.  We re-subscribe on every connect
+                    # of the persistent session; without this the broker would
+                    # re-send every retained status each time, stored again
+                    # under new ids.
+                    client.subscribe(sub.filter, qos=sub.qos, retain_handling_options=1)
             except (OSError, TimeoutError, MQTTConnectError) as e:
                 self._metrics.mqtt_reconnects.inc()
                 delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
