@@ -50,6 +50,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 from typing import Any, Final
 
@@ -119,6 +121,7 @@ CREATE TABLE IF NOT EXISTS ingest_recent (
 CREATE TABLE IF NOT EXISTS drops (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
 """
 RECENT_WINDOW: Final = 20_000
+ROWS_PER_INSERT: Final = 128  # x 7 columns stays far below SQLite's 32766 bound variables
 
 
 class StoreError(Exception):
@@ -188,6 +191,12 @@ def device_seq_of(payload: bytes) -> int | None:
         return None
     m = DEVICE_SEQ.search(payload, 0, 256)
     return int(m.group(1)) if m else None
+
+
+@lru_cache(maxsize=64)
+def _values_sql(head: str, ncols: int, nrows: int) -> str:
+    row = "(" + ", ".join("?" * ncols) + ")"
+    return f"{head} VALUES " + ", ".join([row] * nrows)
 
 
 def _accounted(payload_len: int, topic: str) -> int:
@@ -480,18 +489,18 @@ class Outbox:
                 await self._count_drop("buffer_full_oldest", freed_records + trimmed)
             recent: list[tuple[str, int, int, int]] = []
             if rows:
-                await self._conn.executemany(
-                    "INSERT INTO outbox(route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                await self._insert_rows(
+                    "INSERT INTO outbox(route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload)",
+                    7,
                     rows,
                 )
                 recent = [(r[2], r[5], zlib.crc32(r[6]), i) for i, r in enumerate(rows) if r[5] is not None]
                 if recent:
                     last_seq = await self._last_seq()
                     first = last_seq - len(rows) + 1
-                    await self._conn.executemany(
-                        "INSERT OR REPLACE INTO ingest_recent(seq, mqtt_topic, device_seq, crc)"
-                        " VALUES (?, ?, ?, ?)",
+                    await self._insert_rows(
+                        "INSERT OR REPLACE INTO ingest_recent(seq, mqtt_topic, device_seq, crc)",
+                        4,
                         [(first + i, topic, dseq, crc) for topic, dseq, crc, i in recent],
                     )
                     self._recent_count += len(recent)
@@ -533,6 +542,23 @@ class Outbox:
         self._update_gauges()
         if rows:
             self._data_available.set()
+
+    async def _insert_rows(self, head: str, ncols: int, rows: Sequence[tuple[Any, ...]]) -> None:
+        """`head` VALUES (...), (...), ...: up to ROWS_PER_INSERT rows per
+        statement, in order.  The sqlite3 module releases and re-takes the GIL
+        around every statement it steps; while ingest parses MQTT packets on the
+        loop thread each re-take can wait, so one statement per row made a large
+        group commit crawl.  Fewer, larger statements keep the commit short."""
+        n = ROWS_PER_INSERT
+        full = len(rows) // n
+        if full:
+            await self._conn.executemany(
+                _values_sql(head, ncols, n),
+                [tuple(chain.from_iterable(rows[i * n : (i + 1) * n])) for i in range(full)],
+            )
+        if len(rows) > full * n:
+            rest = rows[full * n :]
+            await self._conn.execute(_values_sql(head, ncols, len(rest)), tuple(chain.from_iterable(rest)))
 
     async def _count_drop(self, reason: str, n: int) -> None:
         await self._conn.execute(
