@@ -89,6 +89,8 @@ Offsets
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import logging
 import struct
 import time
@@ -120,6 +122,13 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# An apache-iggy 0.9 client left in a reference cycle is freed only during
+# interpreter finalization, and freeing it then aborts the process (SIGABRT,
+# about 1 run in 10 of a one-shot CLI command here, after its work was done).
+# Collecting before finalization frees it while the runtime is still whole:
+# 0 aborts in 60 runs (see the commit that added this).
+atexit.register(gc.collect)
 
 T = TypeVar("T")
 
