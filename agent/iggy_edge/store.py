@@ -494,7 +494,13 @@ class Outbox:
                     7,
                     rows,
                 )
-                recent = [(r[2], r[5], zlib.crc32(r[6]), i) for i, r in enumerate(rows) if r[5] is not None]
+                # Only QoS1/2 can come back as a broker redelivery (flags & 3 is
+                # the QoS): QoS0 records need no entry in the redelivery window.
+                recent = [
+                    (r[2], r[5], zlib.crc32(r[6]), i)
+                    for i, r in enumerate(rows)
+                    if r[5] is not None and r[3] & 3
+                ]
                 if recent:
                     last_seq = await self._last_seq()
                     first = last_seq - len(rows) + 1
