@@ -40,6 +40,11 @@ class Metrics:
         self.mqtt_connected = Gauge(
             "iggy_edge_ingest_connected", "1 while the MQTT session is up", registry=r
         )
+        self.ingest_read_pauses = Counter(
+            "iggy_edge_ingest_read_pauses",
+            "Times ingest stopped reading from the broker because too many records waited for commit",
+            registry=r,
+        )
         self.mqtt_reconnects = Counter("iggy_edge_ingest_reconnects", "MQTT reconnect attempts", registry=r)
         # store
         self.store_committed = Counter(

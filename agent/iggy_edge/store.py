@@ -390,6 +390,12 @@ class Outbox:
     def pending_count(self) -> int:
         return len(self._pending.items)
 
+    async def wait_pending_below(self, limit: int) -> None:
+        """Return once fewer than `limit` records wait for their commit (ingest
+        uses it to stop reading from the broker's socket under overload)."""
+        while len(self._pending.items) >= limit and self._pending.done is not None:
+            await asyncio.wait([self._pending.done])  # never raises the commit's error
+
     async def _commit_loop(self) -> None:
         interval = self._settings.commit_interval_ms / 1000
         while True:
