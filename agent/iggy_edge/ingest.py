@@ -35,6 +35,7 @@ import contextlib
 import logging
 import random
 import ssl
+import struct
 import time
 import zlib
 from collections.abc import Callable
@@ -44,7 +45,6 @@ from typing import Any, Final
 import gmqtt
 from gmqtt.mqtt.constants import MQTTCommands, MQTTv50
 from gmqtt.mqtt.handler import MQTTConnectError
-from gmqtt.mqtt.package import CommandWithMidPacket
 
 from .config import Settings
 from .logs import RateLimitedLog
@@ -67,6 +67,9 @@ PUBACK_SUCCESS: Final = 0
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
 _Ack = tuple[Any, int, int, "str | bytes", bytes]
+
+
+_ACK: Final = struct.Struct("!BBH")
 
 
 def _write(conn: Any, packets: list[bytes]) -> None:
@@ -367,8 +370,49 @@ class Ingest:
             return False
         handler._handle_qos_1_publish_packet = partial(self._fast_publish, handler, MQTTCommands.PUBACK, 1)
         handler._handle_qos_2_publish_packet = partial(self._fast_publish, handler, MQTTCommands.PUBREC, 2)
+        if hasattr(handler, "_handle_publish_packet") and hasattr(handler, "_connection_state"):
+            handler._handle_publish_packet = partial(
+                self._lean_publish, handler, handler._handle_publish_packet
+            )
         client.on_message = self._on_message_qos0  # only QoS0 reaches on_message now
         return True
+
+    def _lean_publish(
+        self, handler: Any, general: Callable[[int, bytes], None], cmd: int, raw: bytes
+    ) -> None:
+        """Parse the common QoS1/2 PUBLISH ourselves: topic, packet id, an
+        empty MQTT 5 property block, payload.  gmqtt's general parser (which
+        the bare subscriber pays too) built a property dict and logged twice per
+        message; it still handles QoS0 and any PUBLISH that carries properties
+        (topic alias, expiry, user properties) or looks unusual."""
+        qos = (cmd >> 1) & 3
+        slen = (raw[0] << 8 | raw[1]) if len(raw) > 1 else 0
+        pos = 2 + slen
+        if qos == 0 or not slen or len(raw) < pos + 3:
+            general(cmd, raw)
+            return
+        mid = raw[pos] << 8 | raw[pos + 1]
+        pos += 2
+        if handler._connection_state.protocol_version >= MQTTv50:
+            if raw[pos]:  # properties present: let gmqtt parse them
+                general(cmd, raw)
+                return
+            pos += 1
+        topic_b = raw[2 : 2 + slen]
+        try:
+            topic: str | bytes = topic_b.decode()
+        except UnicodeDecodeError:
+            topic = topic_b
+        properties = {"dup": (cmd >> 3) & 1, "retain": cmd & 1}
+        self._fast_publish(
+            handler,
+            MQTTCommands.PUBACK if qos == 1 else MQTTCommands.PUBREC,
+            qos,
+            mid,
+            raw[pos:],
+            topic,
+            properties,
+        )
 
     def _fast_publish(
         self, handler: Any, cmd: int, qos: int, mid: int, payload: bytes, topic: str | bytes, properties: Any
@@ -420,7 +464,9 @@ class Ingest:
             if c is not conn:
                 _write(conn, out)
                 conn, out = c, []
-            out.append(CommandWithMidPacket.build_package(cmd, mid, False, proto_ver=c._protocol.proto_ver))
+            # PUBACK/PUBREC with remaining length 2: success in MQTT 3.1.1 and 5
+            # alike (MQTT 5 allows leaving out a reason code of 0).
+            out.append(_ACK.pack(cmd, 2, mid))
         _write(conn, out)
 
     async def _dead_letter(
