@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import ssl
 import struct
 import time
 import zlib
@@ -44,11 +43,11 @@ from typing import Any, Final
 
 import gmqtt
 from gmqtt.mqtt.constants import MQTTCommands, MQTTv50
-from gmqtt.mqtt.handler import MQTTConnectError
 
 from .config import Settings
 from .logs import RateLimitedLog
 from .metrics import Metrics
+from .mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .routing import Rejected, Router
 from .store import Incoming, Outbox, StoreError, device_seq_of
 
@@ -61,7 +60,6 @@ QOS0_PENDING_LIMIT: Final = 20_000
 # queued backlog at once (seen with 50k queued: 48k in one group, 177 MB RSS).
 # Not reading lets TCP flow control hold the backlog in the broker instead.
 READ_PAUSE_AT: Final = 10_000
-CONNECT_TIMEOUT_S: Final = 15.0
 PUBACK_SUCCESS: Final = 0
 
 
@@ -132,9 +130,7 @@ class Ingest:
         if not self._install_fast_path(client):
             client.on_message = self._on_message
         client.on_disconnect = self._on_disconnect
-        if self._mqtt.username:
-            password = self._mqtt.password.get_secret_value() if self._mqtt.password else None
-            client.set_auth_credentials(self._mqtt.username, password)
+        set_credentials(client, self._mqtt)
         return client
 
     async def _on_lost(self, delay: bool = False) -> None:
@@ -143,13 +139,6 @@ class Ingest:
     def _on_disconnect(self, client: Any, packet: Any, exc: Any = None) -> None:
         self._lost.set()
 
-    def _ssl_context(self) -> ssl.SSLContext | bool:
-        if not self._mqtt.tls:
-            return False
-        return ssl.create_default_context(
-            cafile=str(self._mqtt.tls_ca_file) if self._mqtt.tls_ca_file else None
-        )
-
     async def run(self) -> None:
         """Keep the session up until `stop()`; reconnect with backoff."""
         attempt = 0
@@ -157,16 +146,7 @@ class Ingest:
             client = self._make_client()
             self._lost.clear()
             try:
-                await asyncio.wait_for(
-                    client.connect(
-                        self._mqtt.host,
-                        self._mqtt.port,
-                        ssl=self._ssl_context(),
-                        keepalive=self._mqtt.keepalive_s,
-                        version=MQTTv50,
-                    ),
-                    CONNECT_TIMEOUT_S,
-                )
+                await connect(client, self._mqtt)
                 for sub in self._mqtt.subscriptions:
                     # retain_handling=1: retained messages only when the
                     # subscription is new.  We re-subscribe on every connect
@@ -174,7 +154,7 @@ class Ingest:
                     # re-send every retained status each time, stored again
                     # under new ids.
                     client.subscribe(sub.filter, qos=sub.qos, retain_handling_options=1)
-            except (OSError, TimeoutError, MQTTConnectError) as e:
+            except CONNECT_ERRORS as e:
                 self._metrics.mqtt_reconnects.inc()
                 delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
                 attempt += 1

@@ -38,27 +38,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import struct
 import time
 from collections.abc import Callable
 from typing import Final
 
 import gmqtt
-from gmqtt.mqtt.constants import MQTTv50
-from gmqtt.mqtt.handler import MQTTConnectError
 from gmqtt.storage import PersistentStorage
 
 from ..config import Settings
 from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
+from ..mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import Inbox, PendingCommand, PendingConfig
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S: Final = 15.0
 SWEEP_INTERVAL_S: Final = 1.0
 REFUSED: Final = 0x80  # PUBACK reason codes >= 0x80 are failures (MQTT 5, 3.4.2.1)
 
@@ -135,12 +132,6 @@ class Deliverer:
 
     # -- connection -----------------------------------------------------------
 
-    def _ssl_context(self) -> ssl.SSLContext | bool:
-        if not self._mqtt.tls:
-            return False
-        ca = str(self._mqtt.tls_ca_file) if self._mqtt.tls_ca_file else None
-        return ssl.create_default_context(cafile=ca)
-
     async def _connect(self) -> tuple[gmqtt.Client, _PubackTracker]:
         tracker = _PubackTracker()
         client = gmqtt.Client(
@@ -153,22 +144,11 @@ class Deliverer:
 
         client._package_handler._reconnect_callback = on_lost
         client.on_disconnect = lambda *_: self._lost.set()
-        if self._mqtt.username:
-            password = self._mqtt.password.get_secret_value() if self._mqtt.password else None
-            client.set_auth_credentials(self._mqtt.username, password)
+        set_credentials(client, self._mqtt)
         self._lost.clear()
         try:
-            await asyncio.wait_for(
-                client.connect(
-                    self._mqtt.host,
-                    self._mqtt.port,
-                    ssl=self._ssl_context(),
-                    keepalive=self._mqtt.keepalive_s,
-                    version=MQTTv50,
-                ),
-                CONNECT_TIMEOUT_S,
-            )
-        except (OSError, TimeoutError, MQTTConnectError):
+            await connect(client, self._mqtt)
+        except CONNECT_ERRORS:
             await self._close(client, tracker)
             raise
         return client, tracker
@@ -185,7 +165,7 @@ class Deliverer:
             await self._sweep_expired()
             try:
                 client, tracker = await self._connect()
-            except (OSError, TimeoutError, MQTTConnectError) as e:
+            except CONNECT_ERRORS as e:
                 delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
                 attempt += 1
                 self._limited.warning(

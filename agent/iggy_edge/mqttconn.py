@@ -1,0 +1,41 @@
+"""What ingest and deliver share about their MQTT connections: credentials,
+TLS, and one bounded connect.  (Each keeps its own client and session: the
+persistent ingest session must never be shared with the publisher.)"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Final
+
+import gmqtt
+from gmqtt.mqtt.constants import MQTTv50
+from gmqtt.mqtt.handler import MQTTConnectError
+
+from .config import MqttSettings
+
+CONNECT_TIMEOUT_S: Final = 15.0
+# What a failed connect attempt raises: retry with backoff.
+CONNECT_ERRORS: Final = (OSError, TimeoutError, MQTTConnectError)
+
+
+def ssl_context(mqtt: MqttSettings) -> ssl.SSLContext | bool:
+    if not mqtt.tls:
+        return False
+    return ssl.create_default_context(cafile=str(mqtt.tls_ca_file) if mqtt.tls_ca_file else None)
+
+
+def set_credentials(client: gmqtt.Client, mqtt: MqttSettings) -> None:
+    if mqtt.username:
+        password = mqtt.password.get_secret_value() if mqtt.password else None
+        client.set_auth_credentials(mqtt.username, password)
+
+
+async def connect(client: gmqtt.Client, mqtt: MqttSettings) -> None:
+    """Connect (MQTT 5), bounded by CONNECT_TIMEOUT_S; raises one of CONNECT_ERRORS."""
+    await asyncio.wait_for(
+        client.connect(
+            mqtt.host, mqtt.port, ssl=ssl_context(mqtt), keepalive=mqtt.keepalive_s, version=MQTTv50
+        ),
+        CONNECT_TIMEOUT_S,
+    )
