@@ -16,19 +16,19 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+sys.path.insert(0, str(ROOT))
+
+from tests.support.broker import Broker  # noqa: E402
+from tests.support.ports import free_port, wait_port  # noqa: E402
+
+__all__ = ["Broker", "broker", "free_port", "wait_port"]
 
 
 def emit(bench: str, figure: str, value: Any, unit: str = "", **extra: Any) -> None:
@@ -79,91 +79,14 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s") from None
-            time.sleep(0.05)
-
-
-def mosquitto_binary() -> str | None:
-    return shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+def broker(workdir: Path, *, queue_qos0: bool = False) -> Broker:
+    """The tests' Mosquitto (configured like the shipped snippet: deep queues
+    for the agent's persistent session), in memory for the benchmarks."""
+    return Broker(
+        workdir,
+        persistence=False,
+        extra_conf="queue_qos0_messages true" if queue_qos0 else "",
     )
-
-
-@dataclass
-class Broker:
-    """Mosquitto on a free loopback port, configured like the shipped snippet
-    (deep queues for the agent's persistent session).  In-memory only: the
-    benchmarks measure the agent, not the broker's autosave."""
-
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    queue_qos0: bool = False
-    proc: subprocess.Popen[bytes] | None = None
-
-    host = "127.0.0.1"
-
-    def start(self) -> Broker:
-        binary = mosquitto_binary()
-        if binary is None:
-            raise RuntimeError("mosquitto is not installed (run .ci/setup)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        conf = self.workdir / "mosquitto.conf"
-        conf.write_text(
-            f"""\
-listener {self.port} 127.0.0.1
-allow_anonymous true
-persistence false
-max_queued_messages 0
-max_queued_bytes 0
-max_inflight_messages 0
-queue_qos0_messages {"true" if self.queue_qos0 else "false"}
-log_dest stderr
-log_type error
-log_type warning
-log_type notice
-log_type information
-"""
-        )
-        # stderr to a file we open: mosquitto started as root drops to its own
-        # user and could not open a log file in our temporary directory.
-        with (self.workdir / "mosquitto.log").open("wb") as log:
-            self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            wait_port(self.port)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def __enter__(self) -> Broker:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def payload_60(device: int, seq: int) -> bytes:

@@ -53,6 +53,7 @@ from iggy_edge.uplink.iggy import IggyCommandSink, IggyCommandSource, IggyUplink
 from iggy_edge.uplink.memory import MemoryIggy
 
 from bench._common import Broker, emit, emit_machine, payload_60, skipped
+from bench._common import broker as make_broker
 from tests.support.iggy_server import IggyServer
 
 BENCH = "command_latency"
@@ -155,6 +156,7 @@ async def run_once(
             i += 1
             t0 = time.perf_counter()
             sent_at[cmd.id] = t0
+            all_arrived.clear()  # set again by on_message once this one is in too
             if sink is not None:
                 await sink.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
             else:
@@ -213,7 +215,10 @@ async def main() -> None:
         kinds.append("server")
     else:
         skipped(BENCH, "server", "iggy-server not on PATH")
-    with tempfile.TemporaryDirectory(prefix="cmd-latency-") as tmp, Broker(Path(tmp) / "broker") as broker:
+    with (
+        tempfile.TemporaryDirectory(prefix="cmd-latency-") as tmp,
+        make_broker(Path(tmp) / "broker") as broker,
+    ):
         for kind in kinds:
             for poll_s in polls:
                 work = Path(tmp) / f"{kind}-{poll_s}"

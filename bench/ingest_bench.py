@@ -42,7 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gmqtt
-from _common import PYTHON, Broker, emit, emit_machine, spread
+from _common import PYTHON, emit, emit_machine, spread
+from _common import broker as make_broker
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.config import parse_config
 from iggy_edge.runtime import Agent
@@ -163,7 +164,7 @@ def _run_subject(args: list[str]) -> dict[str, Any]:
 
 
 def one_round(workdir: Path, *, qos: int, sync: str, count: int, agent_first: bool) -> dict[str, Any]:
-    with Broker(workdir / "broker", queue_qos0=(qos == 0)) as broker:
+    with make_broker(workdir / "broker", queue_qos0=(qos == 0)) as broker:
         asyncio.run(_register(broker.port))
         pub = json.loads(
             subprocess.run(

@@ -30,7 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PYTHON, Broker, emit, emit_machine, vm_hwm_kb, vm_rss_kb
+from _common import PYTHON, emit, emit_machine, vm_hwm_kb, vm_rss_kb
+from _common import broker as make_broker
 from drain_bench import fill
 
 BENCH = "memory"
@@ -84,7 +85,7 @@ def one_agent(workdir: Path, records: int, rate: float, seconds: float) -> dict[
     state.mkdir(parents=True)
     if records:
         asyncio.run(fill(state / "buffer.db", records))
-    with Broker(workdir / "broker") as broker:
+    with make_broker(workdir / "broker") as broker:
         conf = write_config(state, broker.port)
         log = (workdir / "agent.log").open("wb")
         agent = subprocess.Popen([*iggy_edge_cmd(), "run", "--config", str(conf)], stdout=log, stderr=log)

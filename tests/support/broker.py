@@ -28,6 +28,9 @@ class Broker:
     workdir: Path
     port: int = field(default_factory=free_port)
     extra_conf: str = ""
+    # The benchmarks run the broker in memory: they measure the agent, not
+    # Mosquitto's autosave.
+    persistence: bool = True
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -49,7 +52,7 @@ class Broker:
             + f"""\
 listener {self.port} 127.0.0.1
 allow_anonymous true
-persistence true
+persistence {"true" if self.persistence else "false"}
 persistence_location {self.workdir}/
 autosave_interval 1
 max_queued_messages 1000000
@@ -89,6 +92,12 @@ log_type notice
         if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()  # else an unclosed-file ResourceWarning fails the test
         self.proc = None
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def restart(self) -> None:
         self.stop()
