@@ -221,6 +221,28 @@ class Ingest:
             return data
 
         protocol.read = read
+        self._shortcut_publish(client)
+
+    def _shortcut_publish(self, client: gmqtt.Client) -> None:
+        """Hand PUBLISH packets from gmqtt's packet splitter straight to the
+        lean parser, past gmqtt's generic dispatch (a debug log, a handler
+        lookup and two clock reads per packet).  Other packets, and any
+        connection gmqtt no longer considers current, go the usual way."""
+        handler: Any = getattr(client, "_package_handler", None)
+        conn = getattr(client, "_connection", None)
+        lean = getattr(handler, "_handle_publish_packet", None)
+        if conn is None or not isinstance(lean, partial) or not hasattr(conn, "put_package"):
+            return  # the fast path is not installed: keep gmqtt's dispatch
+        usual = conn.put_package
+
+        def put_package(pkg: Any) -> None:
+            if pkg.cmd & 0xF0 == MQTTCommands.PUBLISH and handler.current_connection is conn:
+                conn._last_data_in = time.monotonic()  # keepalive bookkeeping, as gmqtt does
+                lean(pkg.cmd, pkg.data)
+            else:
+                usual(pkg)
+
+        conn.put_package = put_package
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Stop taking messages: let in-flight handlers finish their commit and
@@ -360,19 +382,21 @@ class Ingest:
     def _lean_publish(
         self, handler: Any, general: Callable[[int, bytes], None], cmd: int, raw: bytes
     ) -> None:
-        """Parse the common QoS1/2 PUBLISH ourselves: topic, packet id, an
+        """Parse the common PUBLISH ourselves: topic, packet id (QoS1/2), an
         empty MQTT 5 property block, payload.  gmqtt's general parser (which
         the bare subscriber pays too) built a property dict and logged twice per
-        message; it still handles QoS0 and any PUBLISH that carries properties
-        (topic alias, expiry, user properties) or looks unusual."""
+        message; it still handles any PUBLISH that carries properties (topic
+        alias, expiry, user properties) or looks unusual."""
         qos = (cmd >> 1) & 3
         slen = (raw[0] << 8 | raw[1]) if len(raw) > 1 else 0
         pos = 2 + slen
-        if qos == 0 or not slen or len(raw) < pos + 3:
+        if not slen or len(raw) < pos + (3 if qos else 1):
             general(cmd, raw)
             return
-        mid = raw[pos] << 8 | raw[pos + 1]
-        pos += 2
+        mid = 0
+        if qos:
+            mid = raw[pos] << 8 | raw[pos + 1]
+            pos += 2
         if handler._connection_state.protocol_version >= MQTTv50:
             if raw[pos]:  # properties present: let gmqtt parse them
                 general(cmd, raw)
@@ -384,6 +408,9 @@ class Ingest:
         except UnicodeDecodeError:
             topic = topic_b
         properties = {"dup": (cmd >> 3) & 1, "retain": cmd & 1}
+        if qos == 0:
+            self._on_message_qos0(None, topic, raw[pos:], 0, properties)
+            return
         self._fast_publish(
             handler,
             MQTTCommands.PUBACK if qos == 1 else MQTTCommands.PUBREC,
