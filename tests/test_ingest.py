@@ -223,3 +223,34 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
         await publish_all(broker.host, broker.port, "pub-redeliver", [("edge/dev-rd/up/env", reading(2))])
         await async_wait_until(lambda: m.value("iggy_edge_store_records_committed_total") == 2, 10)
         assert await outbox_rows(agent) == [("dev-rd", 1), ("dev-rd", 2)]
+
+
+async def test_ingest_recovers_in_the_same_process_when_the_store_works_again(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """A failed commit (disk full, I/O error) acknowledges nothing and shows in
+    health; once the store works again the supervisor's restart of ingest
+    takes the broker's redeliveries, without restarting the agent."""
+    settings = make_settings(tmp_path, broker)
+    n = 10
+    failing = True
+
+    async with running_agent(settings) as agent:
+        assert agent.outbox is not None
+        real_insert = agent.outbox._insert
+
+        async def flaky_insert(items: list[Incoming]) -> None:
+            if failing:
+                raise sqlite3.OperationalError("simulated: database or disk is full")
+            await real_insert(items)
+
+        agent.outbox._insert = flaky_insert  # type: ignore[method-assign]
+        await publish_all(
+            broker.host, broker.port, "pub-disk", [("edge/dev-disk/up/env", reading(i)) for i in range(n)]
+        )
+        await async_wait_until(lambda: agent.health().store == "failed", 10, what="health shows the store")
+        assert agent.outbox.records == 0
+        failing = False
+        await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records == n, 30)
+        assert await outbox_rows(agent) == [("dev-disk", i) for i in range(n)]
+        await async_wait_until(lambda: agent.health().store == "ok", 10, what="health recovers")

@@ -142,6 +142,9 @@ class Ingest:
     async def run(self) -> None:
         """Keep the session up until `stop()`; reconnect with backoff."""
         attempt = 0
+        # A restart by the supervisor after a failed commit tries the store
+        # again: a full disk that was freed must not leave ingest stopped.
+        self._store_broken.clear()
         while not self._stopping.is_set():
             client = self._make_client()
             self._lost.clear()
@@ -243,6 +246,11 @@ class Ingest:
                 usual(pkg)
 
         conn.put_package = put_package
+
+    @property
+    def store_broken(self) -> bool:
+        """A commit failed and this session holds its acknowledgements."""
+        return self._store_broken.is_set()
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Stop taking messages: let in-flight handlers finish their commit and

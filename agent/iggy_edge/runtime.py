@@ -71,14 +71,14 @@ class Agent:
         self.forwarder: Forwarder | None = None
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
-        self._store_ok = True
 
     def stop(self) -> None:
         self._stop.set()
 
     def health(self) -> Health:
         ingest = "up" if self.ingest is not None and self.ingest.connected.is_set() else "down"
-        store = "ok" if self._store_ok and self.outbox is not None else "failed"
+        broken = self.ingest is not None and self.ingest.store_broken
+        store = "ok" if self.outbox is not None and not broken else "failed"
         if self.uplink is None or self.forwarder is None:
             uplink = "none"
             uplink_ok = True
