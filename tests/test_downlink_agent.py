@@ -19,6 +19,7 @@ from pathlib import Path
 import gmqtt
 import pytest
 from gmqtt.mqtt.constants import MQTTv50
+from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.config import Settings
 from iggy_edge.downlink import return_path
 from iggy_edge.downlink.commands import (
@@ -31,7 +32,6 @@ from iggy_edge.downlink.commands import (
 )
 from iggy_edge.downlink.inbox import read_commands, read_offsets
 from iggy_edge.runtime import Agent
-from iggy_edge.store import read_dead_letters
 from iggy_edge.uplink.factory import consumer_name, make_command_source, make_uplink
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command
 from iggy_edge.uplink.memory import MemoryIggy

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.records import split_message_id
 from iggy_edge.routing import MAX_TOPIC_BYTES
 from iggy_edge.runtime import Agent
-from iggy_edge.store import Incoming, device_seq_of, read_dead_letters
+from iggy_edge.store import Incoming, device_seq_of
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.agent import make_settings, running_agent

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from iggy_edge.buffer_admin import exclusive, read_stats
 from iggy_edge.cli.main import app
 from iggy_edge.config import load_config
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
-from iggy_edge.store import Incoming, Outbox, StoreError, exclusive, open_database, read_stats
+from iggy_edge.store import Incoming, Outbox, StoreError, open_database
 from typer.testing import CliRunner
 
 runner = CliRunner()

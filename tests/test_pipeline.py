@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from iggy_edge.buffer_admin import read_stats
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import OutboundRecord
 from iggy_edge.runtime import Agent
-from iggy_edge.store import read_stats
 from iggy_edge.uplink.memory import MemoryIggy, MemoryUplink
 
 from tests.support.agent import make_settings, running_agent, wait_subscribed

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from iggy_edge.buffer_admin import read_dead_letters, read_stats
 from iggy_edge.config import BufferSettings
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route, gateway_hash32, make_message_id, split_message_id
-from iggy_edge.store import ROW_OVERHEAD, Incoming, Outbox, device_seq_of, read_dead_letters, read_stats
+from iggy_edge.store import ROW_OVERHEAD, Incoming, Outbox, device_seq_of
 
 GW = "gw-store"
 BIG = 1 << 40

@@ -39,7 +39,6 @@ Design
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import re
@@ -48,7 +47,7 @@ import sqlite3
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -71,7 +70,6 @@ from .records import (
     Route,
     gateway_hash32,
 )
-from .routing import Rejected, Router
 
 log = logging.getLogger(__name__)
 
@@ -141,44 +139,6 @@ class Incoming:
     device_seq: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    id: int
-    received_us: int
-    mqtt_topic: bytes
-    qos: int
-    retain: bool
-    reason: str
-    detail: str
-    payload: bytes
-    payload_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class BufferStats:
-    records: int
-    bytes: int
-    oldest_received_us: int | None
-    newest_seq: int | None
-    dead_letters: int
-    dead_letters_by_reason: dict[str, int]
-    drops_by_reason: dict[str, int]
-    file_bytes: int
-
-    def as_dict(self) -> dict[str, Any]:
-        age = None if self.oldest_received_us is None else time.time() - self.oldest_received_us / 1e6
-        return {
-            "records": self.records,
-            "bytes": self.bytes,
-            "oldest_age_s": None if age is None else round(age, 3),
-            "newest_seq": self.newest_seq,
-            "dead_letters": self.dead_letters,
-            "dead_letters_by_reason": self.dead_letters_by_reason,
-            "drops_by_reason": self.drops_by_reason,
-            "file_bytes": self.file_bytes,
-        }
-
-
 @dataclass
 class _Group:
     items: list[Incoming] = field(default_factory=list)
@@ -199,7 +159,8 @@ def _values_sql(head: str, ncols: int, nrows: int) -> str:
     return f"{head} VALUES " + ", ".join([row] * nrows)
 
 
-def _accounted(payload_len: int, topic: str) -> int:
+def accounted_bytes(payload_len: int, topic: str) -> int:
+    """Bytes a row counts against `max_bytes`."""
     return payload_len + len(topic) + ROW_OVERHEAD
 
 
@@ -467,13 +428,13 @@ class Outbox:
                     it.payload,
                 )
             )
-            add_bytes += _accounted(len(it.payload), it.mqtt_topic)
+            add_bytes += accounted_bytes(len(it.payload), it.mqtt_topic)
         rejected = trimmed = 0
         if s.overflow == "drop_oldest":
             # a group bigger than the whole bound: its own oldest rows go too
             while rows and (len(rows) > s.max_records or add_bytes > s.max_bytes):
                 row = rows.pop(0)
-                add_bytes -= _accounted(len(row[6]), row[2])
+                add_bytes -= accounted_bytes(len(row[6]), row[2])
                 trimmed += 1
         over_records = self.records + len(rows) - s.max_records
         over_bytes = self.bytes + add_bytes - s.max_bytes
@@ -481,7 +442,7 @@ class Outbox:
             # keep the oldest; refuse the newest rows that do not fit
             while rows and (self.records + len(rows) > s.max_records or self.bytes + add_bytes > s.max_bytes):
                 row = rows.pop()
-                add_bytes -= _accounted(len(row[6]), row[2])
+                add_bytes -= accounted_bytes(len(row[6]), row[2])
                 rejected += 1
         await self._synchronous(self._sync_insert)
         try:
@@ -745,7 +706,7 @@ class Outbox:
         deleted = self._conn.total_changes - deleted_before
         # Rows dropped by drop_oldest while in flight were already accounted.
         if deleted:
-            freed = sum(_accounted(len(r.payload), r.headers[HEADER_MQTT_TOPIC]) for r in gone)
+            freed = sum(accounted_bytes(len(r.payload), r.headers[HEADER_MQTT_TOPIC]) for r in gone)
             if deleted != len(gone):
                 freed = freed * deleted // len(gone)
             self.records -= deleted
@@ -811,310 +772,3 @@ class Outbox:
     def fail(self, err: StoreError) -> None:
         """Refuse further submissions (used when the disk is gone)."""
         self._failure = err
-
-
-# -- read-only helpers for the CLI (a separate process, WAL lets it read) --
-
-
-def _ro_connect(path: Path) -> sqlite3.Connection:
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-
-
-def read_stats(path: Path) -> BufferStats:
-    conn = _ro_connect(path)
-    try:
-        records, nbytes = conn.execute(
-            "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
-        ).fetchone()
-        oldest = conn.execute("SELECT received_us FROM outbox ORDER BY seq LIMIT 1").fetchone()
-        newest = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
-        by_reason = dict(conn.execute("SELECT reason, count(*) FROM dead_letters GROUP BY reason").fetchall())
-        drops = dict(conn.execute("SELECT reason, count FROM drops").fetchall())
-    except sqlite3.DatabaseError as e:
-        raise StoreError(f"{path}: {e}") from e
-    finally:
-        conn.close()
-    file_bytes = sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
-    return BufferStats(
-        records=int(records),
-        bytes=int(nbytes) + ROW_OVERHEAD * int(records),
-        oldest_received_us=None if oldest is None else int(oldest[0]),
-        newest_seq=None if newest is None else int(newest[0]),
-        dead_letters=sum(by_reason.values()),
-        dead_letters_by_reason={str(k): int(v) for k, v in by_reason.items()},
-        drops_by_reason={str(k): int(v) for k, v in drops.items()},
-        file_bytes=file_bytes,
-    )
-
-
-def read_dead_letters(path: Path, limit: int = 100) -> list[DeadLetter]:
-    conn = _ro_connect(path)
-    try:
-        rows = conn.execute(
-            "SELECT id, received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
-            " FROM dead_letters ORDER BY id DESC LIMIT ?",
-            (limit,),
-        ).fetchall()
-    finally:
-        conn.close()
-    return [
-        DeadLetter(r[0], r[1], bytes(r[2]), r[3], bool(r[4]), r[5], r[6], bytes(r[7]), r[8]) for r in rows
-    ]
-
-
-# -- maintenance helpers for the CLI: peek, export, purge, dead-letter replay --
-#
-# Reading (peek, export) works beside a running agent: short read
-# transactions on a read-only connection, paged by seq, so the WAL can still
-# be checkpointed.  Writing (purge, replay) must not race the agent, whose
-# record and byte counters live in memory: `exclusive()` opens the file with
-# `locking_mode=EXCLUSIVE` and no busy timeout.  In WAL mode every open
-# connection holds a shared lock, so the exclusive lock is refused while the
-# agent (or any other reader) has the file open -- `BufferBusy` -- and, the
-# other way round, an agent that starts during a purge waits its busy timeout
-# (5 s) and then fails to open the buffer; systemd restarts it after
-# RestartSec.  Stop the service for maintenance.
-
-
-@dataclass(frozen=True, slots=True)
-class StoredRecord:
-    seq: int
-    stream: str
-    topic: str
-    key: str
-    mqtt_topic: str
-    qos: int
-    retain: bool
-    received_us: int
-    device_seq: int | None
-    payload: bytes
-
-    def as_json(self) -> dict[str, Any]:
-        """JSON-safe form: `payload` as text when it is UTF-8, else `payload_b64`."""
-        doc: dict[str, Any] = {
-            "seq": self.seq,
-            "stream": self.stream,
-            "topic": self.topic,
-            "key": self.key,
-            "mqtt_topic": self.mqtt_topic,
-            "qos": self.qos,
-            "retain": self.retain,
-            "received_us": self.received_us,
-            "device_seq": self.device_seq,
-        }
-        try:
-            doc["payload"] = self.payload.decode("utf-8")
-        except UnicodeDecodeError:
-            doc["payload_b64"] = base64.b64encode(self.payload).decode("ascii")
-        return doc
-
-
-class BufferBusy(StoreError):
-    """The buffer is open in another process (normally the running agent)."""
-
-
-def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> Iterator[StoredRecord]:
-    """Outbox records oldest first (seq order), read in pages of `chunk`."""
-    conn = _ro_connect(path)
-    try:
-        routes = {
-            int(r[0]): (str(r[1]), str(r[2])) for r in conn.execute("SELECT id, stream, topic FROM routes")
-        }
-        after, left = 0, limit
-        while left is None or left > 0:
-            n = chunk if left is None else min(chunk, left)
-            rows = conn.execute(
-                "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-                " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
-                (after, n),
-            ).fetchall()
-            if not rows:
-                return
-            for seq, rid, pkey, topic, flags, recv, dseq, payload in rows:
-                stream, itopic = routes.get(rid, ("?", "?"))
-                yield StoredRecord(
-                    seq, stream, itopic, pkey, topic, flags & 3, bool(flags & 4), recv, dseq, bytes(payload)
-                )
-            after = int(rows[-1][0])
-            if left is not None:
-                left -= len(rows)
-    except sqlite3.DatabaseError as e:
-        raise StoreError(f"{path}: {e}") from e
-    finally:
-        conn.close()
-
-
-@contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[sqlite3.Connection]:
-    """A read-write connection that holds the buffer exclusively (see above)."""
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=0)
-    try:
-        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
-        conn.execute("BEGIN IMMEDIATE")  # takes the exclusive lock now, or fails
-        conn.execute("COMMIT")
-    except sqlite3.OperationalError as e:
-        conn.close()
-        if "locked" in str(e) or "busy" in str(e):
-            raise BufferBusy(
-                f"{path} is in use by another process -- is the agent running? "
-                "Stop it first (systemctl stop iggy-edge)"
-            ) from e
-        raise StoreError(f"{path}: {e}") from e
-    try:
-        yield conn
-    finally:
-        conn.close()
-
-
-def _count_drop_sync(conn: sqlite3.Connection, reason: str, n: int) -> None:
-    conn.execute(
-        "INSERT INTO drops(reason, count) VALUES (?, ?)"
-        " ON CONFLICT(reason) DO UPDATE SET count = count + excluded.count",
-        (reason, n),
-    )
-
-
-def purge(
-    conn: sqlite3.Connection,
-    *,
-    dead_letters: bool = False,
-    chunk: int = 5000,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[int, int]:
-    """Delete every outbox record (counted under drops reason "purged") and,
-    with `dead_letters`, every dead letter; chunked, one transaction per
-    chunk, so an interrupted purge keeps what it has not reached yet.
-    Returns (records, dead letters) deleted."""
-    records = 0
-    while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            n = conn.execute(
-                "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT ?)", (chunk,)
-            ).rowcount
-            if n:
-                _count_drop_sync(conn, "purged", n)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        if not n:
-            break
-        records += n
-        if progress is not None:
-            progress(n)
-    dead = 0
-    if dead_letters:
-        conn.execute("BEGIN IMMEDIATE")
-        dead = conn.execute("DELETE FROM dead_letters").rowcount
-        conn.execute("COMMIT")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return records, dead
-
-
-@dataclass
-class ReplayResult:
-    replayed: int = 0
-    still_dead: dict[str, int] = field(default_factory=dict)  # reason -> count, left in place
-    no_room: int = 0  # routable but the outbox is at max_records / max_bytes
-
-    def keep(self, reason: str) -> None:
-        self.still_dead[reason] = self.still_dead.get(reason, 0) + 1
-
-
-def replay_dead_letters(
-    conn: sqlite3.Connection,
-    router: Router,
-    settings: BufferSettings,
-    *,
-    chunk: int = 500,
-    progress: Callable[[int], None] | None = None,
-) -> ReplayResult:
-    """Route every dead letter again with the current rules; those that now
-    route go to the outbox (with their original receive time, in their
-    original order) and leave the dead-letter table, in one transaction per
-    chunk.  Those that still do not route stay, by reason.  A payload that
-    was truncated when it was dead-lettered is never replayed."""
-    result = ReplayResult()
-    count, nbytes = conn.execute(
-        "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
-    ).fetchone()
-    records, used = int(count), int(nbytes) + ROW_OVERHEAD * int(count)
-    after = 0
-    while True:
-        rows = conn.execute(
-            "SELECT id, received_us, mqtt_topic, qos, retain, payload, payload_size FROM dead_letters"
-            " WHERE id > ? ORDER BY id LIMIT ?",
-            (after, chunk),
-        ).fetchall()
-        if not rows:
-            break
-        after = int(rows[-1][0])
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for dl_id, recv, topic_b, qos, retain, payload_b, size in rows:
-                payload = bytes(payload_b)
-                try:
-                    topic_or_b: str | bytes = bytes(topic_b).decode("utf-8")
-                except UnicodeDecodeError:
-                    topic_or_b = bytes(topic_b)  # the router rejects it as invalid_topic
-                route = router.route(topic_or_b, int(size))
-                if isinstance(route, Rejected):
-                    result.keep(route.reason.value)
-                    continue
-                if len(payload) != size:
-                    result.keep("truncated")
-                    continue
-                assert isinstance(topic_or_b, str)  # a bytes topic never routes
-                topic = topic_or_b
-                add = _accounted(len(payload), topic)
-                if records + 1 > settings.max_records or used + add > settings.max_bytes:
-                    result.no_room += 1
-                    continue
-                conn.execute(
-                    "INSERT OR IGNORE INTO routes(stream, topic) VALUES (?, ?)", (route.stream, route.topic)
-                )
-                (rid,) = conn.execute(
-                    "SELECT id FROM routes WHERE stream = ? AND topic = ?", (route.stream, route.topic)
-                ).fetchone()
-                conn.execute(
-                    "INSERT INTO outbox(route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        rid,
-                        route.key,
-                        topic,
-                        int(qos) | (int(retain) << 2),
-                        recv,
-                        device_seq_of(payload),
-                        payload,
-                    ),
-                )
-                conn.execute("DELETE FROM dead_letters WHERE id = ?", (dl_id,))
-                records += 1
-                used += add
-                result.replayed += 1
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        if progress is not None:
-            progress(len(rows))
-    return result
-
-
-def count_rows(path: Path, table: str) -> int:
-    """Rows in `outbox` or `dead_letters` (for progress bars)."""
-    if table not in ("outbox", "dead_letters"):
-        raise ValueError(table)
-    conn = _ro_connect(path)
-    try:
-        return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
-    except sqlite3.DatabaseError as e:
-        raise StoreError(f"{path}: {e}") from e
-    finally:
-        conn.close()

@@ -14,9 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..routing import Router
-from ..store import (
-    StoreError,
+from ..buffer_admin import (
     count_rows,
     exclusive,
     iter_records,
@@ -24,7 +22,9 @@ from ..store import (
     read_stats,
     replay_dead_letters,
 )
-from ..store import purge as store_purge
+from ..buffer_admin import purge as store_purge
+from ..routing import Router
+from ..store import StoreError
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
 app = typer.Typer(help="Inspect the store-and-forward buffer.", no_args_is_help=True)

@@ -40,9 +40,10 @@ import typer
 from gmqtt.mqtt.constants import MQTTv50
 from gmqtt.mqtt.handler import MQTTConnectError
 
+from ..buffer_admin import read_stats
 from ..config import ConfigError, Settings, load_config
 from ..httpd import local_url
-from ..store import ROW_OVERHEAD, StoreError, read_stats
+from ..store import ROW_OVERHEAD, StoreError
 from ..uplink.iggy import _Connection
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption

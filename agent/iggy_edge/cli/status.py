@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from ..buffer_admin import read_stats
 from ..httpd import local_url
-from ..store import StoreError, read_stats
+from ..store import StoreError
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
 EXIT_UNHEALTHY = 1
