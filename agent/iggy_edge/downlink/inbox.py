@@ -166,7 +166,10 @@ class Inbox:
             await conn.execute("PRAGMA busy_timeout=10000")
             await conn.execute(f"PRAGMA synchronous={settings.buffer.synchronous.upper()}")
             await conn.executescript(SCHEMA)
-        except sqlite3.Error:
+        except BaseException:
+            # also when cancelled (a stop while the schema waits for the
+            # outbox's write lock): an unclosed aiosqlite connection leaves its
+            # thread to report into a closed event loop at exit
             await conn.close()
             raise
         return cls(conn, settings)
