@@ -25,7 +25,7 @@ from ..buffer_admin import (
 from ..buffer_admin import purge as store_purge
 from ..routing import Router
 from ..store import StoreError
-from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 
 app = typer.Typer(help="Inspect the store-and-forward buffer.", no_args_is_help=True)
 
@@ -40,8 +40,7 @@ def stats(
     try:
         st = read_stats(settings.buffer_path)
     except StoreError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(e)) from None
     data = st.as_dict()
     if as_json:
         typer.echo(json.dumps(data))
@@ -69,11 +68,6 @@ def stats(
 
 LimitOption = Annotated[int, typer.Option("--limit", "-n", min=1, help="How many records.")]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(code)
 
 
 def _progress() -> Progress:
@@ -108,7 +102,7 @@ def peek(
     try:
         records = list(iter_records(settings.buffer_path, limit=limit))
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     if as_json:
         for r in records:
             typer.echo(json.dumps(r.as_json()))
@@ -161,9 +155,9 @@ def export(
             if output is not None:
                 out.close()
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     except OSError as e:
-        raise _fail(f"cannot write {output}: {e}") from None
+        raise fail(f"cannot write {output}: {e}") from None
     typer.echo(f"exported {written} records" + (f" to {output}" if output else ""), err=True)
 
 
@@ -191,14 +185,14 @@ def purge_cmd(
         with exclusive(path) as conn:
             what = f"{records} records" + (f" and {dead} dead letters" if dead_letters else "")
             if not yes and not typer.confirm(f"Delete {what} from {path}? They cannot be recovered."):
-                raise _fail("nothing deleted", 1)
+                raise fail("nothing deleted", 1)
             with _progress() as bar:
                 task = bar.add_task("purging", total=records)
                 deleted, dead_deleted = store_purge(
                     conn, dead_letters=dead_letters, progress=lambda n: bar.advance(task, n)
                 )
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     typer.echo(f"purged {deleted} records" + (f" and {dead_deleted} dead letters" if dead_letters else ""))
 
 
@@ -223,7 +217,7 @@ def dead_letters_list(
     try:
         letters = read_dead_letters(settings.buffer_path, limit)
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     if as_json:
         for d in letters:
             typer.echo(
@@ -272,14 +266,14 @@ def dead_letters_replay(config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = 
             if not yes and not typer.confirm(
                 f"Route {total} dead letters again with the routes in {config}?"
             ):
-                raise _fail("nothing replayed", 1)
+                raise fail("nothing replayed", 1)
             with _progress() as bar:
                 task = bar.add_task("replaying", total=total)
                 result = replay_dead_letters(
                     conn, router, settings.buffer, progress=lambda n: bar.advance(task, n)
                 )
     except StoreError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     typer.echo(f"replayed {result.replayed} dead letters into the outbox")
     for reason, n in sorted(result.still_dead.items()):
         advice = {

@@ -31,19 +31,14 @@ from ..downlink.commands import (
 from ..downlink.inbox import read_commands, read_offsets
 from ..uplink.iggy import send_command
 from ..uplink.protocol import UplinkError
-from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 
 app = typer.Typer(help="Send commands to devices through Iggy and see their states.", no_args_is_help=True)
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(code)
-
-
 def _publish(settings: Settings, topic: str, device: str, payload: bytes) -> dict[str, Any]:
     if settings.iggy.kind != "iggy":
-        raise _fail(
+        raise fail(
             f'iggy kind is "{settings.iggy.kind}": sending needs a real Iggy server ([iggy] kind = "iggy" '
             "or IGGY_ADDRESS). A memory Iggy lives inside the agent process and cannot be reached from here.",
             2,
@@ -52,7 +47,7 @@ def _publish(settings: Settings, topic: str, device: str, payload: bytes) -> dic
     try:
         offset = asyncio.run(send_command(settings.iggy, stream, topic, partition, payload))
     except UplinkError as e:
-        raise _fail(f"not sent: {e}") from None
+        raise fail(f"not sent: {e}") from None
     return {"stream": stream, "topic": topic, "partition": partition, "offset": offset}
 
 
@@ -73,9 +68,9 @@ def send(
     try:
         parsed_args = json.loads(args)
     except json.JSONDecodeError as e:
-        raise _fail(f"--args is not JSON: {e}", 2) from None
+        raise fail(f"--args is not JSON: {e}", 2) from None
     if not isinstance(parsed_args, dict):
-        raise _fail("--args must be a JSON object", 2)
+        raise fail("--args must be a JSON object", 2)
     try:
         cmd = make_command(
             device,
@@ -85,7 +80,7 @@ def send(
             command_id=command_id,
         )
     except InvalidCommand as e:
-        raise _fail(str(e), 2) from None
+        raise fail(str(e), 2) from None
     where = _publish(settings, commands_topic(settings), device, cmd.wire())
     typer.echo(json.dumps({"id": cmd.id, "device": device, "expires_at": cmd.expires_at, **where}))
 
@@ -107,7 +102,7 @@ def list_commands(
         rows = read_commands(settings.buffer_path, limit=limit, device=device)
         offsets = read_offsets(settings.buffer_path)
     except FileNotFoundError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     if as_json:
         for r in rows:
             typer.echo(json.dumps(r.as_dict()))
@@ -140,12 +135,12 @@ def config_push(
     try:
         desired = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(f"{file}: not readable JSON: {e}", 2) from None
+        raise fail(f"{file}: not readable JSON: {e}", 2) from None
     if not isinstance(desired, dict):
-        raise _fail(f"{file}: must hold a JSON object", 2)
+        raise fail(f"{file}: must hold a JSON object", 2)
     try:
         cfg = make_config(device, desired, config_id=config_id)
     except InvalidCommand as e:
-        raise _fail(str(e), 2) from None
+        raise fail(str(e), 2) from None
     where = _publish(settings, config_topic(settings), device, cfg.wire())
     typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))

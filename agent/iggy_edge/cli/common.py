@@ -23,6 +23,12 @@ ConfigOption = Annotated[
 ]
 
 
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print `error: message` in red on stderr; return the Exit to raise."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
 def load_or_exit(path: Path) -> Settings:
     """Load the config; on any problem print every key at fault and exit 2."""
     try:

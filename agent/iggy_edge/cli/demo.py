@@ -25,6 +25,7 @@ from ..config import ConfigError, Settings, parse_config
 from ..logs import setup_logging
 from ..metrics import DEAD_LETTER_REASONS
 from ..simulate import SimulatedSensor
+from .common import fail
 from .run import build_agent, run_agent
 
 
@@ -39,13 +40,10 @@ def _start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
         "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
     )
     if binary is None:
-        typer.secho(
-            "error: no MQTT broker configured and mosquitto is not installed "
-            "(sudo apt-get install mosquitto, or set IGGY_EDGE_MQTT_HOST)",
-            fg=typer.colors.RED,
-            err=True,
+        raise fail(
+            "no MQTT broker configured and mosquitto is not installed "
+            "(sudo apt-get install mosquitto, or set IGGY_EDGE_MQTT_HOST)"
         )
-        raise typer.Exit(1)
     port = _free_port()
     conf = workdir / "mosquitto.conf"
     # As root, mosquitto would drop to its own user, which cannot write our temp dir.
@@ -62,10 +60,7 @@ def _start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
             return proc, port
         time.sleep(0.05)
     proc.kill()
-    typer.secho(
-        f"error: mosquitto did not start (see {workdir}/mosquitto.log)", fg=typer.colors.RED, err=True
-    )
-    raise typer.Exit(1)
+    raise fail(f"mosquitto did not start (see {workdir}/mosquitto.log)")
 
 
 def demo(
@@ -102,8 +97,7 @@ def demo(
     try:
         settings = parse_config(raw, source="demo", env=env)
     except ConfigError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(e), 2) from None
     if settings.iggy.kind == "iggy":
         typer.echo(f"uplink    Iggy at {settings.iggy.address} as {settings.iggy.username}")
     else:

@@ -29,6 +29,8 @@ from typing import Annotated, Any
 
 import typer
 
+from .common import fail
+
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
 
 LIBRARY_PACKAGE = "iggy_device"
@@ -321,8 +323,7 @@ def provision(
             port, example, device_id, wifi_ssid, broker, broker_port, wifi_password_env, mpy, source_root_opt
         )
     except ProvisionError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(e)) from None
 
 
 def _provision(
@@ -407,8 +408,7 @@ def list_boards(
     try:
         output = run_mpremote([_tool("mpremote"), "connect", "list"], "list", timeout=30)
     except ProvisionError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(e)) from None
     ports = parse_port_list(output)
     if as_json:
         for p in ports:

@@ -23,7 +23,7 @@ from typing import Annotated, Final
 
 import typer
 
-from .common import DEFAULT_CONFIG
+from .common import DEFAULT_CONFIG, fail
 
 app = typer.Typer(help="Install or remove the systemd service (for pip installs).", no_args_is_help=True)
 
@@ -204,21 +204,14 @@ def _preflight(dry_run: bool, root: Path | None) -> None:
     if dry_run or root is not None:
         return
     if os.geteuid() != 0:
-        typer.secho(
-            "error: installing a system service needs root: run it with sudo "
-            "(--dry-run shows what it would do)",
-            fg=typer.colors.RED,
-            err=True,
+        raise fail(
+            "installing a system service needs root: run it with sudo (--dry-run shows what it would do)"
         )
-        raise typer.Exit(1)
     if not Path("/run/systemd/system").is_dir():
-        typer.secho(
-            "error: systemd is not running on this machine (no /run/systemd/system): nothing to install "
-            "into. Run the agent another way (iggy-edge run -c CONFIG) or use --root DIR for an image.",
-            fg=typer.colors.RED,
-            err=True,
+        raise fail(
+            "systemd is not running on this machine (no /run/systemd/system): nothing to install "
+            "into. Run the agent another way (iggy-edge run -c CONFIG) or use --root DIR for an image."
         )
-        raise typer.Exit(1)
 
 
 def _execute(steps: list[Step], dry_run: bool) -> None:
@@ -230,8 +223,7 @@ def _execute(steps: list[Step], dry_run: bool) -> None:
         try:
             step.run()
         except (OSError, RuntimeError) as e:
-            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(1) from None
+            raise fail(str(e)) from None
 
 
 @app.command("install")
