@@ -112,7 +112,7 @@ from apache_iggy import (
 
 from ..config import IggySettings
 from ..records import OutboundRecord
-from .partition import KeyPartitioner, record_problem, wire_headers
+from .partition import KeyPartitioner, by_topic, record_problem, wire_headers
 from .protocol import (
     PolledMessage,
     UplinkAmbiguous,
@@ -452,14 +452,7 @@ class IggyUplink:
         if not batch:
             return
         confirmed: list[int] = []
-        by_topic: dict[tuple[str, str], list[OutboundRecord]] = {}
-        for r in batch:
-            st = (r.stream, r.topic)
-            group = by_topic.get(st)
-            if group is None:
-                by_topic[st] = group = []
-            group.append(r)
-        for (stream, topic), records in by_topic.items():
+        for (stream, topic), records in by_topic(batch).items():
             done = frozenset(confirmed)
             count = await self._topics.partitions(stream, topic, confirmed=done)
             for partition, group in self._partitioner.split(stream, topic, count, records):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..records import OutboundRecord
-from .partition import KeyPartitioner, record_problem
+from .partition import KeyPartitioner, by_topic, record_problem
 from .protocol import PolledMessage, UplinkAmbiguous, UplinkRejected, UplinkUnavailable
 
 
@@ -237,15 +237,8 @@ class MemoryUplink:
         iggy._check_down("send")
         if not batch:
             return
-        by_topic: dict[tuple[str, str], list[OutboundRecord]] = {}
-        for r in batch:
-            st = (r.stream, r.topic)
-            g = by_topic.get(st)
-            if g is None:
-                by_topic[st] = g = []
-            g.append(r)
         confirmed: list[int] = []
-        for (stream, topic), records in by_topic.items():
+        for (stream, topic), records in by_topic(batch).items():
             try:
                 parts = iggy._topic(stream, topic)
             except UplinkRejected as e:

@@ -31,7 +31,7 @@ such a change is not guaranteed; create topics with their final count.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from ..records import OutboundRecord
@@ -48,6 +48,18 @@ def partition_for(key: str, count: int) -> int:
         raise ValueError(f"partition count must be >= 1, got {count}")
     digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") % count
+
+
+def by_topic(batch: Sequence[OutboundRecord]) -> dict[tuple[str, str], list[OutboundRecord]]:
+    """A batch grouped by (stream, topic), each group in batch order."""
+    groups: dict[tuple[str, str], list[OutboundRecord]] = {}
+    for r in batch:
+        st = (r.stream, r.topic)
+        group = groups.get(st)
+        if group is None:
+            groups[st] = group = []
+        group.append(r)
+    return groups
 
 
 def record_problem(record: OutboundRecord) -> str | None:
