@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..records import OutboundRecord
-from .partition import KeyPartitioner
+from .partition import KeyPartitioner, by_topic
 from .protocol import UplinkAmbiguous, UplinkUnavailable
 
 
@@ -123,11 +123,8 @@ class FileUplink:
         self._check_down()
         if not batch:
             return
-        by_topic: dict[tuple[str, str], list[OutboundRecord]] = {}
-        for r in batch:
-            by_topic.setdefault((r.stream, r.topic), []).append(r)
         lines: list[bytes] = []
-        for (stream, topic), records in by_topic.items():
+        for (stream, topic), records in by_topic(batch).items():
             for p, group in self._partitioner.split(stream, topic, self.partitions, records):
                 lines.extend(encode_line(r, p) for r in group)
         try:
