@@ -98,7 +98,7 @@ async def drain(path: Path, records: int, uplink: Any, settings: Any) -> float:
     forwarder.stop()
     await task
     await box.close()
-    sent = metrics.forwarded._value.get()
+    sent = metrics.value("iggy_edge_forward_records_total")
     if sent != records:
         raise RuntimeError(f"forwarded {sent} of {records}")
     return seconds

@@ -24,7 +24,7 @@ from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker
-from tests.support.mqtt import Publisher, publish_all
+from tests.support.mqtt import Publisher, agent_transport, publish_all
 from tests.support.wait import async_wait_until
 
 BIG = 1 << 40
@@ -43,9 +43,8 @@ def kill_connection(agent: Agent) -> None:
     """Drop the agent's TCP connection to the broker at once, without a
     DISCONNECT: what the broker sees when the agent process dies."""
     assert agent.ingest is not None
-    client = agent.ingest._client
-    assert client is not None
-    client._connection._transport.abort()
+    assert agent.ingest.client is not None
+    agent_transport(agent.ingest.client).abort()
 
 
 async def test_qos1_is_acknowledged_only_after_commit(tmp_path: Path, broker: Broker) -> None:
@@ -65,7 +64,7 @@ async def test_qos1_is_acknowledged_only_after_commit(tmp_path: Path, broker: Br
 
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
-        agent.outbox._insert = held_then_failed  # type: ignore[method-assign]
+        agent.outbox._insert = held_then_failed  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         await publish_all(
             broker.host, broker.port, "pub-ack", [("edge/dev-ack/up/env", reading(i)) for i in range(n)]
         )
@@ -197,7 +196,7 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
         outbox = agent.outbox
-        real_insert = outbox._insert
+        real_insert = outbox._insert  # noqa: SLF001 - fault at the SQL seam
         crashed = asyncio.Event()
 
         async def commit_then_die(items: list[Incoming]) -> None:
@@ -206,7 +205,7 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
                 crashed.set()
                 kill_connection(agent)  # committed, but the PUBACK never leaves
 
-        outbox._insert = commit_then_die  # type: ignore[method-assign]
+        outbox._insert = commit_then_die  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         pub = await Publisher(broker.host, broker.port, "pub-redeliver").connect()
         try:
             await pub.publish("edge/dev-rd/up/env", reading(1), tag=1)
@@ -238,14 +237,14 @@ async def test_ingest_recovers_in_the_same_process_when_the_store_works_again(
 
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
-        real_insert = agent.outbox._insert
+        real_insert = agent.outbox._insert  # noqa: SLF001 - fault at the SQL seam
 
         async def flaky_insert(items: list[Incoming]) -> None:
             if failing:
                 raise sqlite3.OperationalError("simulated: database or disk is full")
             await real_insert(items)
 
-        agent.outbox._insert = flaky_insert  # type: ignore[method-assign]
+        agent.outbox._insert = flaky_insert  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         await publish_all(
             broker.host, broker.port, "pub-disk", [("edge/dev-disk/up/env", reading(i)) for i in range(n)]
         )

@@ -1,32 +1,50 @@
-"""Ingest's fast path (no task per message, one write per group of acks):
-QoS2 still completes its handshake after the commit, acknowledgements of a
-group share one write, and counters catch up once the group is acknowledged."""
+"""Ingest's fast path (no task per message, one write per group of acks),
+against a real Mosquitto: the hooks are in place, QoS2 still completes its
+handshake after the commit, the acknowledgements of a group commit leave in
+ONE write on the real socket (counted), counters catch up once the group is
+acknowledged, and an unexpected error closes the session instead of
+stopping reads."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
+
+from iggy_edge import gmqtt_hooks, mqtt_codec
+from iggy_edge.runtime import Agent
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker
-from tests.support.mqtt import publish_all
+from tests.support.mqtt import Publisher, agent_transport, publish_all
 from tests.support.wait import async_wait_until
 
 N_QOS2 = 10
+GROUP = 300
 
 
 def reading(seq: int) -> bytes:
     return json.dumps({"seq": seq}).encode()
 
 
+def live_client(agent: Agent) -> Any:
+    assert agent.ingest is not None
+    assert agent.ingest.client is not None
+    return agent.ingest.client
+
+
+async def test_hooks_are_in_place_on_the_live_session(tmp_path: Path, broker: Broker) -> None:
+    async with running_agent(make_settings(tmp_path, broker)) as agent:
+        assert gmqtt_hooks.installed(live_client(agent)) == dict.fromkeys(
+            ("reconnect", "publish", "qos1", "qos2", "shortcut", "throttle"), True
+        )
+
+
 async def test_qos2_messages_are_committed_and_acknowledged(tmp_path: Path, broker: Broker) -> None:
     settings = make_settings(tmp_path, broker, mqtt={"subscriptions": [{"filter": "edge/+/up/#", "qos": 2}]})
     async with running_agent(settings) as agent:
-        assert agent.ingest is not None
-        assert agent.ingest._client is not None
-        handler = agent.ingest._client._package_handler
-        assert "_handle_qos_2_publish_packet" in vars(handler), "fast path not installed"
+        assert gmqtt_hooks.installed(live_client(agent))["qos2"]
         # mosquitto_pub exits 0 only after its QoS2 flow with the broker completed
         for i in range(N_QOS2):
             proc = await asyncio.create_subprocess_exec(
@@ -35,8 +53,79 @@ async def test_qos2_messages_are_committed_and_acknowledged(tmp_path: Path, brok
             )
             assert await asyncio.wait_for(proc.wait(), 30) == 0
         await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records == N_QOS2, 10)
-        await async_wait_until(lambda: agent.ingest is not None and agent.ingest._handlers == 0, 10)
+        await async_wait_until(lambda: agent.ingest is not None and agent.ingest.in_flight == 0, 10)
         assert agent.metrics.value("iggy_edge_ingest_messages_total", qos="2") == N_QOS2
+
+
+async def test_acks_of_a_group_commit_leave_in_one_socket_write(tmp_path: Path, broker: Broker) -> None:
+    """Count the writes on the agent's real transport: every write that holds
+    PUBACKs holds the acks of one whole group commit.  A group closes at
+    GROUP records (or after 1 s), so GROUP messages make one or a few groups,
+    never one write per message."""
+    settings = make_settings(
+        tmp_path,
+        broker,
+        buffer={"commit_max_records": GROUP, "commit_interval_ms": 1000},
+        mqtt={"receive_maximum": 2 * GROUP},
+    )
+    async with running_agent(settings) as agent:
+        assert agent.outbox is not None
+        transport = agent_transport(live_client(agent))
+        writes: list[bytes] = []
+        real_write = transport.write
+
+        def counting_write(data: Any) -> None:
+            writes.append(bytes(data))
+            real_write(data)
+
+        transport.write = counting_write  # type: ignore[method-assign]
+        commits_before = agent.metrics.value("iggy_edge_store_commit_seconds_count")
+        pub = await Publisher(broker.host, broker.port, "pub-group", max_inflight=GROUP).connect()
+        try:
+            for i in range(GROUP):
+                await pub.publish("edge/dev-w/up/env", reading(i))
+            await pub.wait_all_acked(timeout=30)
+        finally:
+            await pub.close()
+        await async_wait_until(lambda: agent.ingest is not None and agent.ingest.in_flight == 0, 10)
+        groups = agent.metrics.value("iggy_edge_store_commit_seconds_count") - commits_before
+    ack_writes = []
+    for data in writes:
+        packets, used = mqtt_codec.split_packets(data)
+        assert used == len(data), "a write ends inside a packet"
+        acks = [p for p in packets if p[0] == mqtt_codec.PUBACK]
+        if acks:
+            assert len(acks) == len(packets), "acks share a write only with acks"
+            ack_writes.append(len(acks))
+    assert sum(ack_writes) == GROUP
+    assert len(ack_writes) == groups, f"{len(ack_writes)} writes for {groups:.0f} group commits"
+    assert groups <= 3, f"{groups:.0f} group commits for {GROUP} messages sent at once"
+
+
+async def test_an_unexpected_error_closes_the_session_which_reconnects(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """gmqtt's own exception guard is bypassed by the shortcut; ours logs,
+    counts and reconnects, and the broker redelivers the message."""
+    async with running_agent(make_settings(tmp_path, broker)) as agent:
+        assert agent.ingest is not None
+        first_client = live_client(agent)
+        real_accept = agent.ingest._accept  # noqa: SLF001 - inject a bug at the routing seam
+        failed: list[str] = []
+
+        def buggy_once(topic: str | bytes, *args: Any) -> Any:
+            if not failed:
+                failed.append(str(topic))
+                raise RuntimeError("simulated bug in the message path")
+            return real_accept(topic, *args)
+
+        agent.ingest._accept = buggy_once  # type: ignore[method-assign]  # noqa: SLF001 - as above
+        await publish_all(broker.host, broker.port, "pub-bug", [("edge/dev-bug/up/env", reading(1))])
+        await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records == 1, 20)
+        assert failed == ["edge/dev-bug/up/env"]
+        assert agent.metrics.value("iggy_edge_ingest_handler_errors_total") == 1
+        assert live_client(agent) is not first_client, "the session was not reconnected"
+        assert agent.metrics.value("iggy_edge_ingest_reconnects_total") >= 1
 
 
 async def test_many_qos1_messages_acknowledged_once_committed(tmp_path: Path, broker: Broker) -> None:
@@ -50,7 +139,7 @@ async def test_many_qos1_messages_acknowledged_once_committed(tmp_path: Path, br
             qos=1,
         )
         await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records == 3000, 20)
-        await async_wait_until(lambda: agent.ingest is not None and agent.ingest._handlers == 0, 10)
+        await async_wait_until(lambda: agent.ingest is not None and agent.ingest.in_flight == 0, 10)
         assert agent.metrics.value("iggy_edge_ingest_messages_total", qos="1") == 3000
         assert agent.metrics.value("iggy_edge_ingest_payload_bytes_total") == sum(
             len(reading(i)) for i in range(3000)

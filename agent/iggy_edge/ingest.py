@@ -11,10 +11,13 @@
 * Order: the record is handed to the outbox synchronously, as the packet is
   parsed, so arrival order is the outbox order.
 * Fast path: gmqtt would run every message as its own task and write every
-  PUBACK on its own; we take over its QoS1/QoS2 publish handling
-  (`_install_fast_path`) so a message costs no task and the acks of one group
+  PUBACK on its own; through the checked hooks in gmqtt_hooks.py we take over
+  its PUBLISH handling, so a message costs no task and the acks of one group
   commit go out in one write, still only after that commit.  This took ingest
   from 0.05 to ~0.9 of a bare counting subscriber (bench/ingest_bench.py).
+  An unexpected error while handling a PUBLISH is logged, counted
+  (`iggy_edge_ingest_handler_errors_total`) and closes the session, which
+  reconnects; the broker redelivers what was not acknowledged.
 * Backpressure: QoS1/2 deliveries in flight are capped by the receive maximum
   we announce; while they wait for the commit the broker sends no more.  QoS0
   has no such window, so QoS0 messages beyond `QOS0_PENDING_LIMIT` pending
@@ -34,16 +37,16 @@ import asyncio
 import contextlib
 import logging
 import random
-import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Final
 
 import gmqtt
-from gmqtt.mqtt.constants import MQTTCommands, MQTTv50
 
+from . import gmqtt_hooks as hooks
+from . import mqtt_codec as codec
 from .config import Settings
 from .logs import RateLimitedLog
 from .metrics import Metrics
@@ -60,21 +63,11 @@ QOS0_PENDING_LIMIT: Final = 20_000
 # queued backlog at once (seen with 50k queued: 48k in one group, 177 MB RSS).
 # Not reading lets TCP flow control hold the backlog in the broker instead.
 READ_PAUSE_AT: Final = 10_000
-PUBACK_SUCCESS: Final = 0
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
-_Ack = tuple[Any, int, int, "str | bytes", bytes]
-
-
-_ACK: Final = struct.Struct("!BBH")
-
-
-def _write(conn: Any, packets: list[bytes]) -> None:
-    """One socket write for many acknowledgements (skipped, with gmqtt's own
-    warning, when that connection has closed: the broker redelivers)."""
-    if conn is not None and packets:
-        conn._protocol.write_data(b"".join(packets))
+_Ack = tuple[hooks.Connection, int, int, "str | bytes", bytes]
+_ACK_CMD: Final = (0, codec.PUBACK, codec.PUBREC)
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
@@ -108,10 +101,11 @@ class Ingest:
         # committed, before the acknowledgement; the return path watches
         # device acks here.  Observers must be quick and must not raise.
         self.observers: list[Callable[[str, bytes], None]] = []
-        # Fast path (see _install_fast_path): acknowledgements waiting for the
+        # Fast path (see raw_publish): acknowledgements waiting for the
         # commit of the group they belong to.
         self._ack_future: asyncio.Future[Any] | None = None
         self._ack_list: list[_Ack] = []
+        hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
 
     # -- session --------------------------------------------------------
 
@@ -126,15 +120,12 @@ class Ingest:
         # We own reconnection (backoff with jitter, fresh client per attempt):
         # gmqtt's handler would otherwise reconnect on its own with a fixed
         # delay, racing our loop with the same client id.
-        client._package_handler._reconnect_callback = self._on_lost
-        if not self._install_fast_path(client):
-            client.on_message = self._on_message
+        hooks.own_reconnect(client, self._lost.set)
+        hooks.install_publish_hooks(client, self)
+        client.on_message = self._on_message_qos0  # QoS0 with properties (gmqtt parsed it)
         client.on_disconnect = self._on_disconnect
         set_credentials(client, self._mqtt)
         return client
-
-    async def _on_lost(self, delay: bool = False) -> None:
-        self._lost.set()
 
     def _on_disconnect(self, client: Any, packet: Any, exc: Any = None) -> None:
         self._lost.set()
@@ -173,7 +164,7 @@ class Ingest:
                 await self._sleep_or_stop(delay)
                 continue
             attempt = 0
-            self._throttle_reads(client)
+            hooks.install_connection_hooks(client, self._read_gate)
             self._client = client
             self._metrics.mqtt_connected.set(1)
             self.connected.set()
@@ -203,49 +194,33 @@ class Ingest:
                 backoff_delay(0, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
             )
 
-    def _throttle_reads(self, client: gmqtt.Client) -> None:
-        """Make gmqtt's read loop wait while READ_PAUSE_AT records are pending.
+    def _read_gate(self) -> Awaitable[None] | None:
+        """Before each socket read: wait while READ_PAUSE_AT records are pending.
 
-        gmqtt reads with a StreamReader that resumes the transport on its own,
-        so pausing the transport does not hold; waiting inside `read` does:
-        the reader's buffer fills, the transport pauses, TCP pushes back."""
-        protocol = getattr(getattr(client, "_connection", None), "_protocol", None)
-        original = getattr(protocol, "read", None)
-        if protocol is None or original is None:
-            log.warning("gmqtt internals changed: reads are not throttled under overload")
-            return
-        outbox = self._outbox
+        Waiting inside gmqtt's `read` lets its buffer fill, the transport
+        pause and TCP push back, so the backlog stays in the broker."""
+        if self._outbox.pending_count < READ_PAUSE_AT:
+            return None
+        self._metrics.ingest_read_pauses.inc()
+        return self._outbox.wait_pending_below(READ_PAUSE_AT)
 
-        async def read(n: int = -1) -> bytes:
-            if outbox.pending_count >= READ_PAUSE_AT:
-                self._metrics.ingest_read_pauses.inc()
-                await outbox.wait_pending_below(READ_PAUSE_AT)
-            data: bytes = await original(n)
-            return data
+    def hook_error(self, exc: Exception) -> None:
+        """A PUBLISH could not be handled (a bug, not bad input: bad input is a
+        dead letter).  Close the session: it reconnects and the broker
+        redelivers everything not acknowledged."""
+        self._metrics.ingest_handler_errors.inc()
+        log.error("unexpected error handling an MQTT message; reconnecting the session", exc_info=exc)
+        self._lost.set()
 
-        protocol.read = read
-        self._shortcut_publish(client)
+    @property
+    def client(self) -> gmqtt.Client | None:
+        """The live session's client (tests look at its connection)."""
+        return self._client
 
-    def _shortcut_publish(self, client: gmqtt.Client) -> None:
-        """Hand PUBLISH packets from gmqtt's packet splitter straight to the
-        lean parser, past gmqtt's generic dispatch (a debug log, a handler
-        lookup and two clock reads per packet).  Other packets, and any
-        connection gmqtt no longer considers current, go the usual way."""
-        handler: Any = getattr(client, "_package_handler", None)
-        conn = getattr(client, "_connection", None)
-        lean = getattr(handler, "_handle_publish_packet", None)
-        if conn is None or not isinstance(lean, partial) or not hasattr(conn, "put_package"):
-            return  # the fast path is not installed: keep gmqtt's dispatch
-        usual = conn.put_package
-
-        def put_package(pkg: Any) -> None:
-            if pkg.cmd & 0xF0 == MQTTCommands.PUBLISH and handler.current_connection is conn:
-                conn._last_data_in = time.monotonic()  # keepalive bookkeeping, as gmqtt does
-                lean(pkg.cmd, pkg.data)
-            else:
-                usual(pkg)
-
-        conn.put_package = put_package
+    @property
+    def in_flight(self) -> int:
+        """Messages taken from the broker whose acknowledgement waits for a commit."""
+        return self._handlers
 
     @property
     def store_broken(self) -> bool:
@@ -280,37 +255,6 @@ class Ingest:
                 w.cancel()
 
     # -- messages -------------------------------------------------------
-
-    async def _on_message(
-        self, client: Any, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
-    ) -> int:
-        self._handlers += 1
-        self._idle.clear()
-        try:
-            return await self._handle(topic, payload, qos, properties)
-        finally:
-            self._handlers -= 1
-            if self._handlers == 0:
-                self._idle.set()
-
-    async def _handle(self, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]) -> int:
-        done = self._accept(topic, payload, qos, properties)
-        if done is None:
-            return PUBACK_SUCCESS
-        try:
-            await done
-        except StoreError:
-            # Do not acknowledge: hold the delivery until the session closes,
-            # so the broker keeps the message and redelivers it later.
-            self._store_broken.set()
-            await self._stopping.wait()
-            raise
-        finally:
-            self._flush_counts()
-        if isinstance(topic, str) and not isinstance(done, asyncio.Task):  # not a dead letter
-            for observe in self.observers:
-                observe(topic, payload)
-        return PUBACK_SUCCESS
 
     def _accept(
         self, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
@@ -356,88 +300,46 @@ class Ingest:
             self._rx_bytes = 0
 
     # -- fast path: no task per message, one write per group of acks ------
+    #
+    # `_accept` places the record in the pending group synchronously (arrival
+    # order is outbox order) and the acks of the group are written, on the
+    # connection that delivered them, only when the group's commit has
+    # succeeded.  A failed commit acknowledges nothing (the broker redelivers).
 
-    def _install_fast_path(self, client: gmqtt.Client) -> bool:
-        """Take over gmqtt's QoS1/QoS2 publish handling so that a message costs
-        no task of its own and the acknowledgements of a whole group commit go
-        out in one socket write.
-
-        gmqtt's non-optimistic path runs every message as a task and sends each
-        PUBACK with its own write; at 20k+ msg/s that was most of the agent's
-        CPU (bench/ingest_bench.py).  Here `_accept` places the record in the
-        pending group synchronously (same order guarantee) and the acks of the
-        group are written, on the connection that delivered them, only when the
-        group's commit has succeeded -- the same "acknowledge after commit"
-        contract.  A failed commit acknowledges nothing (the broker redelivers).
-
-        Relies on gmqtt 0.8 internals (`_handle_qos_{1,2}_publish_packet`);
-        when they are missing, returns False and the coroutine path is used.
-        """
-        handler = getattr(client, "_package_handler", None)
-        needed = ("_handle_qos_1_publish_packet", "_handle_qos_2_publish_packet", "_connection")
-        if handler is None or not all(hasattr(handler, a) for a in needed):
-            log.warning("gmqtt internals changed: using the slower one-task-per-message ingest path")
+    def raw_publish(self, conn: hooks.Connection, cmd: int, body: bytes, v5: bool) -> bool:
+        """A PUBLISH off the wire; False hands it to gmqtt's general parser
+        (properties: topic alias, expiry, user properties)."""
+        try:
+            qos, mid, topic_b, payload, props = codec.parse_publish(cmd, body, v5)
+        except codec.MalformedPacket:
+            return False  # gmqtt's parser logs it and skips it
+        if props or not topic_b:  # an empty topic is a topic alias: gmqtt resolves it
             return False
-        handler._handle_qos_1_publish_packet = partial(self._fast_publish, handler, MQTTCommands.PUBACK, 1)
-        handler._handle_qos_2_publish_packet = partial(self._fast_publish, handler, MQTTCommands.PUBREC, 2)
-        if hasattr(handler, "_handle_publish_packet") and hasattr(handler, "_connection_state"):
-            handler._handle_publish_packet = partial(
-                self._lean_publish, handler, handler._handle_publish_packet
-            )
-        client.on_message = self._on_message_qos0  # only QoS0 reaches on_message now
-        return True
-
-    def _lean_publish(
-        self, handler: Any, general: Callable[[int, bytes], None], cmd: int, raw: bytes
-    ) -> None:
-        """Parse the common PUBLISH ourselves: topic, packet id (QoS1/2), an
-        empty MQTT 5 property block, payload.  gmqtt's general parser (which
-        the bare subscriber pays too) built a property dict and logged twice per
-        message; it still handles any PUBLISH that carries properties (topic
-        alias, expiry, user properties) or looks unusual."""
-        qos = (cmd >> 1) & 3
-        slen = (raw[0] << 8 | raw[1]) if len(raw) > 1 else 0
-        pos = 2 + slen
-        if not slen or len(raw) < pos + (3 if qos else 1):
-            general(cmd, raw)
-            return
-        mid = 0
-        if qos:
-            mid = raw[pos] << 8 | raw[pos + 1]
-            pos += 2
-        if handler._connection_state.protocol_version >= MQTTv50:
-            if raw[pos]:  # properties present: let gmqtt parse them
-                general(cmd, raw)
-                return
-            pos += 1
-        topic_b = raw[2 : 2 + slen]
         try:
             topic: str | bytes = topic_b.decode()
         except UnicodeDecodeError:
             topic = topic_b
         properties = {"dup": (cmd >> 3) & 1, "retain": cmd & 1}
         if qos == 0:
-            self._on_message_qos0(None, topic, raw[pos:], 0, properties)
-            return
-        self._fast_publish(
-            handler,
-            MQTTCommands.PUBACK if qos == 1 else MQTTCommands.PUBREC,
-            qos,
-            mid,
-            raw[pos:],
-            topic,
-            properties,
-        )
+            self._on_message_qos0(None, topic, payload, 0, properties)
+        else:
+            self.parsed_publish(conn, qos, mid, topic, payload, properties)
+        return True
 
-    def _fast_publish(
-        self, handler: Any, cmd: int, qos: int, mid: int, payload: bytes, topic: str | bytes, properties: Any
+    def parsed_publish(
+        self,
+        conn: hooks.Connection,
+        qos: int,
+        mid: int,
+        topic: str | bytes,
+        payload: bytes,
+        props: dict[str, Any],
     ) -> None:
-        conn = handler._connection
-        done = self._accept(topic, payload, qos, properties)
+        done = self._accept(topic, payload, qos, props)
         if done is None:
-            conn.send_command_with_mid(cmd, mid, False)
+            hooks.write(conn, codec.ack(_ACK_CMD[qos], mid))
             return
-        self._ack_after(done, (conn, cmd, mid, topic, payload))
+        self._ack_after(done, (conn, _ACK_CMD[qos], mid, topic, payload))
 
     def _on_message_qos0(
         self, client: Any, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
@@ -471,22 +373,21 @@ class Ingest:
                 if isinstance(topic, str):
                     for observe in self.observers:
                         observe(topic, payload)
-        conn: Any = None
+        conn: hooks.Connection = None
         out: list[bytes] = []
+        ack = codec.ack
         for c, cmd, mid, _, _ in acks:
             if c is None:  # QoS0: nothing to acknowledge
                 continue
             if c is not conn:
-                _write(conn, out)
+                hooks.write(conn, b"".join(out))
                 conn, out = c, []
-            # PUBACK/PUBREC with remaining length 2: success in MQTT 3.1.1 and 5
-            # alike (MQTT 5 allows leaving out a reason code of 0).
-            out.append(_ACK.pack(cmd, 2, mid))
-        _write(conn, out)
+            out.append(ack(cmd, mid))
+        hooks.write(conn, b"".join(out))
 
     async def _dead_letter(
         self, topic: str | bytes, payload: bytes, qos: int, retain: bool, why: Rejected, received_us: int
-    ) -> int:
+    ) -> None:
         try:
             await self._outbox.dead_letter(
                 mqtt_topic=topic,
@@ -501,4 +402,3 @@ class Ingest:
             self._store_broken.set()
             await self._stopping.wait()
             raise
-        return PUBACK_SUCCESS

@@ -45,6 +45,11 @@ class Metrics:
             "Times ingest stopped reading from the broker because too many records waited for commit",
             registry=r,
         )
+        self.ingest_handler_errors = Counter(
+            "iggy_edge_ingest_handler_errors",
+            "Unexpected errors handling an MQTT message (each closed the session, which reconnected)",
+            registry=r,
+        )
         self.mqtt_reconnects = Counter("iggy_edge_ingest_reconnects", "MQTT reconnect attempts", registry=r)
         # store
         self.store_committed = Counter(

@@ -39,10 +39,11 @@ class SimulatedSensor:
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
-        client = gmqtt.Client(f"sim-{self.device_id}")
         status = f"edge/{self.device_id}/status"
+        client = gmqtt.Client(
+            f"sim-{self.device_id}", will_message=gmqtt.Message(status, b"offline", qos=1, retain=True)
+        )
         client.set_config({"reconnect_retries": -1, "reconnect_delay": 1})
-        client._will_message = gmqtt.Message(status, b"offline", qos=1, retain=True)
         await client.connect(host, port, version=MQTTv311)
         client.publish(status, b"online", qos=1, retain=True)
         period = 1.0 / self.rate_hz

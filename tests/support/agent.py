@@ -42,7 +42,7 @@ async def wait_subscribed(agent: Agent, timeout: float = 10.0) -> None:
 
     def subscribed() -> bool:
         ingest = agent.ingest
-        client = None if ingest is None else ingest._client
+        client = None if ingest is None else ingest.client
         return (
             client is not None
             and ingest is not None

@@ -3,29 +3,27 @@
 Tests need exactly one fact a general client hides: which QoS1 PUBLISHes the
 *broker* answered with PUBACK (the broker took responsibility for them).
 This speaks the few packets needed (CONNECT, PUBLISH, PUBACK, DISCONNECT)
-on an asyncio stream, so every acknowledgement is observed, not assumed.
-It is a real client talking to the real broker, not a test double.
+with the agent's own codec (iggy_edge.mqtt_codec, tested against the spec in
+tests/test_mqtt_codec.py) on an asyncio stream, so every acknowledgement is
+observed, not assumed.  It is a real client talking to the real broker, not a
+test double.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from typing import Any
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+from iggy_edge import mqtt_codec as codec
 
 
-def _str(s: bytes) -> bytes:
-    return struct.pack("!H", len(s)) + s
+def agent_transport(client: Any) -> asyncio.Transport:
+    """The socket under a live gmqtt session of the agent: tests abort it (a
+    dead process) or count its writes."""
+    conn = client._package_handler.current_connection  # noqa: SLF001 - the real socket, for tests only
+    transport: asyncio.Transport = conn._transport  # noqa: SLF001 - as above
+    return transport
 
 
 class Publisher:
@@ -50,55 +48,50 @@ class Publisher:
         self._reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(self.host, self.port), timeout
         )
-        body = _str(b"MQTT") + bytes([4, 0x02]) + struct.pack("!H", 60) + _str(self.client_id.encode())
-        self._writer.write(b"\x10" + _varint(len(body)) + body)
+        self._writer.write(codec.connect(self.client_id, keepalive=60))
         head = await asyncio.wait_for(self._reader.readexactly(4), timeout)
-        if head[0] != 0x20 or head[3] != 0:
+        if head[0] != codec.CONNACK or codec.parse_connack(head[2:])[1] != 0:
             raise ConnectionError(f"CONNACK refused: {head!r}")
         self._task = asyncio.create_task(self._read_loop(), name=f"publisher-{self.client_id}")
         return self
 
     async def _read_loop(self) -> None:
         assert self._reader is not None
+        buf = b""
         while True:
             try:
-                first = await self._reader.readexactly(1)
-            except (asyncio.IncompleteReadError, ConnectionError):
+                chunk = await self._reader.read(65536)
+            except ConnectionError:
                 return
-            length, shift = 0, 0
-            while True:
-                b = (await self._reader.readexactly(1))[0]
-                length |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            data = await self._reader.readexactly(length)
-            if first[0] & 0xF0 == 0x40:  # PUBACK
-                (pid,) = struct.unpack("!H", data[:2])
-                if pid in self._inflight:
-                    self.acked.append(self._inflight.pop(pid))
-                    self._slots.release()
-                if not self._inflight:
-                    self._drained.set()
+            if not chunk:
+                return
+            packets, used = codec.split_packets(buf + chunk)
+            buf = (buf + chunk)[used:]
+            for first, body in packets:
+                if first & 0xF0 == codec.PUBACK:
+                    pid, _ = codec.parse_ack(body)
+                    if pid in self._inflight:
+                        self.acked.append(self._inflight.pop(pid))
+                        self._slots.release()
+                    if not self._inflight:
+                        self._drained.set()
 
     async def publish(
         self, topic: str | bytes, payload: bytes, *, qos: int = 1, retain: bool = False, tag: Any = None
     ) -> None:
         """Send one PUBLISH; for QoS1 the ack is recorded in `acked` as `tag`."""
         assert self._writer is not None
-        topic_b = topic.encode() if isinstance(topic, str) else topic
-        var = _str(topic_b)
+        mid = 0
         if qos:
             # bounded: a broker that stops acknowledging fails the test instead of hanging it
             await asyncio.wait_for(self._slots.acquire(), 30)
             self._next_id = self._next_id % 65535 + 1
             while self._next_id in self._inflight:
                 self._next_id = self._next_id % 65535 + 1
-            self._inflight[self._next_id] = tag
+            mid = self._next_id
+            self._inflight[mid] = tag
             self._drained.clear()
-            var += struct.pack("!H", self._next_id)
-        body = var + payload
-        self._writer.write(bytes([0x30 | qos << 1 | int(retain)]) + _varint(len(body)) + body)
+        self._writer.write(codec.publish(topic, payload, qos=qos, mid=mid, retain=retain))
         await self._writer.drain()
 
     async def wait_all_acked(self, timeout: float = 10.0) -> None:
@@ -107,7 +100,7 @@ class Publisher:
     async def close(self) -> None:
         if self._writer is not None:
             with contextlib.suppress(ConnectionError):
-                self._writer.write(b"\xe0\x00")
+                self._writer.write(codec.DISCONNECT_PACKET)
                 await self._writer.drain()
             self._writer.close()
             with contextlib.suppress(ConnectionError):

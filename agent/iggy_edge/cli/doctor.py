@@ -42,6 +42,7 @@ from gmqtt.mqtt.handler import MQTTConnectError
 
 from ..buffer_admin import read_stats
 from ..config import ConfigError, Settings, load_config
+from ..gmqtt_hooks import own_reconnect
 from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
 from ..uplink.iggy import _Connection
@@ -188,7 +189,7 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
             "(or IGGY_EDGE_MQTT_HOST / _PORT); check the firewall",
         )
     client = gmqtt.Client(f"{settings.mqtt_client_id}-doctor", clean_session=True)
-    client._package_handler._reconnect_callback = _no_reconnect
+    own_reconnect(client, _no_reconnect)
     if m.username:
         client.set_auth_credentials(m.username, m.password.get_secret_value() if m.password else None)
     ctx: ssl.SSLContext | bool = False
@@ -223,7 +224,7 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
     return Check("broker", "ok", f"{where}: MQTT 5 session {who} works")
 
 
-async def _no_reconnect(delay: bool = False) -> None:
+def _no_reconnect() -> None:
     """gmqtt would reconnect on its own after a refusal; doctor asks once."""
 
 

@@ -10,10 +10,10 @@
   removes it when the PUBACK arrives.  `_PubackTracker` is that storage: it
   learns the packet id at ``push_message`` and resolves a future at
   ``remove_message_by_mid``.  gmqtt 0.8 does not parse the MQTT 5 PUBACK
-  reason code, so the tracker also wraps the package handler's PUBACK
-  handler (a private hook, like ingest's reconnect hook) to read it: a code
-  of 0x80 or above (for example 0x87, not authorized) marks the command
-  failed instead of delivered.  tests/test_downlink_deliver.py checks both
+  reason code, so the tracker reads it through a checked hook
+  (`gmqtt_hooks.on_puback`, next to ingest's): a code of 0x80 or above
+  (for example 0x87, not authorized) marks the command failed instead of
+  delivered.  tests/test_downlink_deliver.py checks both
   against Mosquitto.
 * Order: commands go out oldest first (inbox seq), up to `deliver_window`
   in flight on one connection; MQTT keeps one connection's QoS1 messages on a
@@ -38,18 +38,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
-from collections.abc import Callable
 from typing import Final
 
 import gmqtt
 from gmqtt.storage import PersistentStorage
 
+from .. import gmqtt_hooks as hooks
 from ..config import Settings
 from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
+from ..mqtt_codec import REFUSED
 from ..mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import Inbox, PendingCommand, PendingConfig
@@ -57,7 +57,6 @@ from .inbox import Inbox, PendingCommand, PendingConfig
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S: Final = 1.0
-REFUSED: Final = 0x80  # PUBACK reason codes >= 0x80 are failures (MQTT 5, 3.4.2.1)
 
 
 class BrokerLost(Exception):
@@ -102,16 +101,7 @@ class _PubackTracker(PersistentStorage):  # type: ignore[misc]  # gmqtt is untyp
 
     def hook_reason_codes(self, client: gmqtt.Client) -> None:
         """Record the PUBACK reason code before gmqtt's own handler frees the id."""
-        handler = client._package_handler
-        original: Callable[[int, bytes], None] = handler._handle_puback_packet
-
-        def on_puback(cmd: int, packet: bytes) -> None:
-            if len(packet) >= 2:
-                (mid,) = struct.unpack("!H", packet[:2])
-                self._reasons[mid] = packet[2] if len(packet) > 2 else 0
-            original(cmd, packet)
-
-        handler._handle_puback_packet = on_puback
+        hooks.on_puback(client, self._reasons.__setitem__)
 
 
 class Deliverer:
@@ -139,10 +129,7 @@ class Deliverer:
         )
         tracker.hook_reason_codes(client)
 
-        async def on_lost(delay: bool = False) -> None:  # we reconnect ourselves, with backoff
-            self._lost.set()
-
-        client._package_handler._reconnect_callback = on_lost
+        hooks.own_reconnect(client, self._lost.set)  # we reconnect ourselves, with backoff
         client.on_disconnect = lambda *_: self._lost.set()
         set_credentials(client, self._mqtt)
         self._lost.clear()
