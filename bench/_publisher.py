@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
@@ -27,29 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import payload_60
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n % 128, n // 128
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _connect_packet(client_id: str) -> bytes:
-    cid = client_id.encode()
-    body = b"\x00\x04MQTT\x04\x02\x00\x3c" + struct.pack("!H", len(cid)) + cid  # clean session, keepalive 60
-    return b"\x10" + _varint(len(body)) + body
-
-
-def _publish_packet(topic: bytes, payload: bytes, qos: int, mid: int) -> bytes:
-    body = struct.pack("!H", len(topic)) + topic
-    if qos:
-        body += struct.pack("!H", mid)
-    body += payload
-    return bytes([0x30 | (qos << 1)]) + _varint(len(body)) + body
+from iggy_edge import mqtt_codec as codec
 
 
 class Publisher:
@@ -63,9 +40,9 @@ class Publisher:
         self.n = 0
         self.inflight = 0
         self.buf = b""
-        self.sock.sendall(_connect_packet(f"bench-pub-{time.monotonic_ns()}"))
+        self.sock.sendall(codec.connect(f"bench-pub-{time.monotonic_ns()}", keepalive=60))
         connack = self._read_exact(4)
-        if connack[0] != 0x20 or connack[3] != 0:
+        if connack[0] != codec.CONNACK or codec.parse_connack(connack[2:])[1] != 0:
             raise RuntimeError(f"CONNACK refused: {connack!r}")
 
     def _read_exact(self, n: int) -> bytes:
@@ -85,7 +62,7 @@ class Publisher:
             self.seq[d] += 1
             self.n += 1
             mid = (self.n - 1) % 65535 + 1
-            out.append(_publish_packet(self.topics[d], payload_60(d, self.seq[d]), self.qos, mid))
+            out.append(codec.publish(self.topics[d], payload_60(d, self.seq[d]), qos=self.qos, mid=mid))
         return b"".join(out)
 
     def _take_acks(self, block: bool) -> None:
@@ -121,11 +98,11 @@ class Publisher:
         """Wait until the broker has taken everything sent."""
         while self.qos and self.inflight > 0:
             self._take_acks(block=True)
-        self.sock.sendall(b"\xc0\x00")  # PINGREQ: answered after all earlier packets
+        self.sock.sendall(codec.PINGREQ_PACKET)  # answered after all earlier packets
         while True:
-            if self._read_exact(2) == b"\xd0\x00":
+            if self._read_exact(2) == codec.PINGRESP_PACKET:
                 break
-        self.sock.sendall(b"\xe0\x00")  # DISCONNECT
+        self.sock.sendall(codec.DISCONNECT_PACKET)
         self.sock.close()
 
 
