@@ -2,13 +2,13 @@
 
 Reading (stats, peek, export, dead letters) works beside a running agent
 (WAL); writing (purge, dead-letter replay) takes the file exclusively.  The
-outbox itself, its schema and its design note are in store.py.
+outbox itself, its schema, its connections and its design note are in the
+store package; `exclusive` and `BufferBusy` live in store/db.py.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +18,23 @@ from typing import Any
 
 from .config import BufferSettings
 from .routing import Rejected, Router
-from .store import ROW_OVERHEAD, StoreError, accounted_bytes, device_seq_of
+from .store.db import BufferBusy, StoreError, exclusive, ro_connect, sync_transaction
+from .store.schema import COUNT_DROP_SQL, ROW_OVERHEAD, accounted_bytes, device_seq_of
+
+__all__ = [
+    "BufferBusy",
+    "BufferStats",
+    "DeadLetter",
+    "ReplayResult",
+    "StoredRecord",
+    "count_rows",
+    "exclusive",
+    "iter_records",
+    "purge",
+    "read_dead_letters",
+    "read_stats",
+    "replay_dead_letters",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +78,8 @@ class BufferStats:
 # -- read-only helpers for the CLI (a separate process, WAL lets it read) --
 
 
-def _ro_connect(path: Path) -> sqlite3.Connection:
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-
-
 def read_stats(path: Path) -> BufferStats:
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         records, nbytes = conn.execute(
             "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
@@ -96,7 +106,7 @@ def read_stats(path: Path) -> BufferStats:
 
 
 def read_dead_letters(path: Path, limit: int = 100) -> list[DeadLetter]:
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         rows = conn.execute(
             "SELECT id, received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
@@ -157,13 +167,9 @@ class StoredRecord:
         return doc
 
 
-class BufferBusy(StoreError):
-    """The buffer is open in another process (normally the running agent)."""
-
-
 def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> Iterator[StoredRecord]:
     """Outbox records oldest first (seq order), read in pages of `chunk`."""
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         routes = {
             int(r[0]): (str(r[1]), str(r[2])) for r in conn.execute("SELECT id, stream, topic FROM routes")
@@ -192,38 +198,6 @@ def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> 
         conn.close()
 
 
-@contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[sqlite3.Connection]:
-    """A read-write connection that holds the buffer exclusively (see above)."""
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=0)
-    try:
-        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
-        conn.execute("BEGIN IMMEDIATE")  # takes the exclusive lock now, or fails
-        conn.execute("COMMIT")
-    except sqlite3.OperationalError as e:
-        conn.close()
-        if "locked" in str(e) or "busy" in str(e):
-            raise BufferBusy(
-                f"{path} is in use by another process -- is the agent running? "
-                "Stop it first (systemctl stop iggy-edge)"
-            ) from e
-        raise StoreError(f"{path}: {e}") from e
-    try:
-        yield conn
-    finally:
-        conn.close()
-
-
-def _count_drop_sync(conn: sqlite3.Connection, reason: str, n: int) -> None:
-    conn.execute(
-        "INSERT INTO drops(reason, count) VALUES (?, ?)"
-        " ON CONFLICT(reason) DO UPDATE SET count = count + excluded.count",
-        (reason, n),
-    )
-
-
 def purge(
     conn: sqlite3.Connection,
     *,
@@ -237,17 +211,12 @@ def purge(
     Returns (records, dead letters) deleted."""
     records = 0
     while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with sync_transaction(conn):
             n = conn.execute(
                 "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT ?)", (chunk,)
             ).rowcount
             if n:
-                _count_drop_sync(conn, "purged", n)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+                conn.execute(COUNT_DROP_SQL, ("purged", n))
         if not n:
             break
         records += n
@@ -255,9 +224,8 @@ def purge(
             progress(n)
     dead = 0
     if dead_letters:
-        conn.execute("BEGIN IMMEDIATE")
-        dead = conn.execute("DELETE FROM dead_letters").rowcount
-        conn.execute("COMMIT")
+        with sync_transaction(conn):
+            dead = conn.execute("DELETE FROM dead_letters").rowcount
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return records, dead
 
@@ -300,8 +268,7 @@ def replay_dead_letters(
         if not rows:
             break
         after = int(rows[-1][0])
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with sync_transaction(conn):
             for dl_id, recv, topic_b, qos, retain, payload_b, size in rows:
                 payload = bytes(payload_b)
                 try:
@@ -344,10 +311,6 @@ def replay_dead_letters(
                 records += 1
                 used += add
                 result.replayed += 1
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         if progress is not None:
             progress(len(rows))
     return result
@@ -357,7 +320,7 @@ def count_rows(path: Path, table: str) -> int:
     """Rows in `outbox` or `dead_letters` (for progress bars)."""
     if table not in ("outbox", "dead_letters"):
         raise ValueError(table)
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
     except sqlite3.DatabaseError as e:
