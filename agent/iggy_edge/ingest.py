@@ -27,6 +27,12 @@
   device sequence, payload CRC) and acknowledged without a second record, so
   it keeps its original message id.  Messages without a device sequence are
   stored again (at-least-once); see docs/consumers.md.
+* Lost session: CONNACK says whether the broker still had our session.  When
+  it had forgotten one the agent had (in this process, or in an earlier one:
+  the outbox's meta table remembers the client id), the messages it queued
+  for us, and those published before we re-subscribed, are gone: logged as an
+  error, counted (`iggy_edge_mqtt_session_lost_total`), shown in health and
+  `status`.  docs/operations.md says when a broker loses sessions.
 * Reconnect: our own loop with capped, full-jitter exponential backoff (gmqtt's
   built-in reconnect uses a fixed delay and is switched off).
 """
@@ -37,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import sqlite3
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -63,6 +70,7 @@ QOS0_PENDING_LIMIT: Final = 20_000
 # queued backlog at once (seen with 50k queued: 48k in one group, 177 MB RSS).
 # Not reading lets TCP flow control hold the backlog in the broker instead.
 READ_PAUSE_AT: Final = 10_000
+SESSION_META_KEY: Final = "mqtt_session_client_id"
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
@@ -105,6 +113,9 @@ class Ingest:
         # commit of the group they belong to.
         self._ack_future: asyncio.Future[Any] | None = None
         self._ack_list: list[_Ack] = []
+        self._session_present = False
+        self._had_session = False
+        self.sessions_lost = 0
         hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
 
     # -- session --------------------------------------------------------
@@ -124,11 +135,43 @@ class Ingest:
         hooks.install_publish_hooks(client, self)
         client.on_message = self._on_message_qos0  # QoS0 with properties (gmqtt parsed it)
         client.on_disconnect = self._on_disconnect
+        client.on_connect = self._on_connect
         set_credentials(client, self._mqtt)
         return client
 
     def _on_disconnect(self, client: Any, packet: Any, exc: Any = None) -> None:
         self._lost.set()
+
+    def _on_connect(self, client: Any, flags: int, rc: int, properties: Any) -> None:
+        self._session_present = bool(flags)
+
+    async def _check_session(self) -> None:
+        """Did the broker keep the session we had?  (See the module docstring.)"""
+        cid = self._settings.mqtt_client_id
+        try:
+            had = self._had_session or await self._outbox.get_meta(SESSION_META_KEY) == cid
+        except (sqlite3.Error, StoreError) as e:
+            log.warning("cannot read the MQTT session flag from the outbox: %s", e)
+            had = self._had_session
+        if had and not self._session_present:
+            self.sessions_lost += 1
+            self._metrics.mqtt_sessions_lost.inc()
+            log.error(
+                "MQTT broker %s:%d had forgotten the agent's session %r: messages it held for the "
+                "agent, and any published before the agent subscribed again, may be lost (a broker "
+                "restart without persistence or before its autosave, or the agent offline longer "
+                "than mqtt.session_expiry_s = %ds); see docs/operations.md",
+                self._mqtt.host,
+                self._mqtt.port,
+                cid,
+                self._mqtt.session_expiry_s,
+            )
+        if not self._had_session:
+            self._had_session = True
+            try:
+                await self._outbox.set_meta(SESSION_META_KEY, cid)
+            except (sqlite3.Error, StoreError) as e:
+                log.warning("cannot write the MQTT session flag to the outbox: %s", e)
 
     async def run(self) -> None:
         """Keep the session up until `stop()`; reconnect with backoff."""
@@ -140,7 +183,9 @@ class Ingest:
             client = self._make_client()
             self._lost.clear()
             try:
+                self._session_present = False
                 await connect(client, self._mqtt)
+                await self._check_session()
                 for sub in self._mqtt.subscriptions:
                     # retain_handling=1: retained messages only when the
                     # subscription is new.  We re-subscribe on every connect

@@ -50,6 +50,11 @@ class Metrics:
             "Unexpected errors handling an MQTT message (each closed the session, which reconnected)",
             registry=r,
         )
+        self.mqtt_sessions_lost = Counter(
+            "iggy_edge_mqtt_session_lost",
+            "Connects where the broker had forgotten the agent's persistent session (messages may be lost)",
+            registry=r,
+        )
         self.mqtt_reconnects = Counter("iggy_edge_ingest_reconnects", "MQTT reconnect attempts", registry=r)
         # store
         self.store_committed = Counter(

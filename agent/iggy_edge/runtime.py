@@ -37,9 +37,17 @@ class Health:
     ingest: str
     store: str
     uplink: str
+    # Connects where the broker had forgotten the agent's session (ingest.py)
+    mqtt_sessions_lost: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return {"healthy": self.healthy, "ingest": self.ingest, "store": self.store, "uplink": self.uplink}
+        return {
+            "healthy": self.healthy,
+            "ingest": self.ingest,
+            "store": self.store,
+            "uplink": self.uplink,
+            "mqtt_sessions_lost": self.mqtt_sessions_lost,
+        }
 
 
 # Extra long-running components (return path, HTTP endpoint) register here:
@@ -89,7 +97,8 @@ class Agent:
             down_for = time.time() - self.forwarder.down_since
             uplink = f"down for {down_for:.0f}s"
             uplink_ok = down_for < self.settings.metrics.uplink_down_unhealthy_s
-        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink)
+        lost = 0 if self.ingest is None else self.ingest.sessions_lost
+        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink, lost)
 
     async def run(self) -> None:
         s = self.settings

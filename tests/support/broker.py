@@ -93,6 +93,13 @@ log_type notice
             self.proc.stderr.close()  # else an unclosed-file ResourceWarning fails the test
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: a broker crash (nothing saved since the last autosave)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stop()
+
     def __enter__(self) -> Broker:
         return self.start()
 

@@ -90,6 +90,7 @@ def figures(snap: Snapshot, prev: Snapshot | None = None) -> dict[str, Any]:
             "messages": int(ingested),
             "payload_bytes": int(g("iggy_edge_ingest_payload_bytes_total")),
             "reconnects": int(g("iggy_edge_ingest_reconnects_total")),
+            "sessions_lost": int(g("iggy_edge_mqtt_session_lost_total")),
         },
         "store": {
             "committed": int(g("iggy_edge_store_records_committed_total")),
@@ -150,7 +151,8 @@ def render(f: dict[str, Any], source: str) -> Table:
     t.add_row(
         "ingest",
         f"{h.get('ingest', '?')}, {ing['messages']} messages{rate('ingest_per_s')}, "
-        f"{ing['reconnects']} reconnects",
+        f"{ing['reconnects']} reconnects"
+        + (f", [red]{ing['sessions_lost']} MQTT sessions lost[/]" if ing["sessions_lost"] else ""),
     )
     t.add_row("store", f"{h.get('store', '?')}, {st['committed']} committed, {st['errors']} errors")
     t.add_row(

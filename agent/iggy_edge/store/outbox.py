@@ -95,6 +95,19 @@ class Outbox(GroupCommit, ReadConfirm, DeadLetters):
         """Refuse further submissions (used when the disk is gone)."""
         self._failure = err
 
+    async def get_meta(self, key: str) -> str | None:
+        """A value of the meta table (ingest keeps its session flag there)."""
+        async with self._db.lock:
+            return await self._meta(key)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        async with self._db.write() as conn:
+            await conn.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
     async def _meta(self, key: str) -> str | None:
         row = await self._db.fetchone("SELECT value FROM meta WHERE key = ?", (key,))
         return None if row is None else str(row[0])
