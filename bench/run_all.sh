@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-for b in ingest drain memory disk; do
+for b in ingest drain memory disk flood broker_crash; do
     echo "== $b" >&2
     "$PY" "bench/${b}_bench.py" "$@"
 done

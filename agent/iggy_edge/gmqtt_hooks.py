@@ -233,7 +233,7 @@ def install_publish_hooks(client: gmqtt.Client, sink: PublishSink) -> None:
     handler._handle_qos_2_publish_packet = parsed(2)  # noqa: SLF001 - likewise for PUBREC
 
 
-def install_connection_hooks(client: gmqtt.Client, throttle: Callable[[], Awaitable[None] | None]) -> None:
+def install_connection_hooks(client: gmqtt.Client, throttle: Callable[[], Awaitable[object] | None]) -> None:
     """After connect, on the live connection: PUBLISH packets skip gmqtt's
     dispatch (straight to the hook `install_publish_hooks` set), and each read
     of the socket first awaits `throttle()` when it returns an awaitable."""

@@ -31,6 +31,8 @@ class Broker:
     # The benchmarks run the broker in memory: they measure the agent, not
     # Mosquitto's autosave.
     persistence: bool = True
+    # bench/broker_crash_bench.py varies it; tests save every second
+    autosave_interval: int = 1
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -54,7 +56,7 @@ listener {self.port} 127.0.0.1
 allow_anonymous true
 persistence {"true" if self.persistence else "false"}
 persistence_location {self.workdir}/
-autosave_interval 1
+autosave_interval {self.autosave_interval}
 max_queued_messages 1000000
 max_inflight_messages 0
 log_dest file {self.log_path}
