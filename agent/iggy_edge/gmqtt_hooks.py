@@ -17,7 +17,12 @@ agent needs are not in its public API, so they are done here and nowhere else:
   (gmqtt's StreamReader resumes the transport on its own, so only waiting in
   `read` makes TCP push back).
 * `on_puback`: gmqtt 0.8 does not parse the MQTT 5 PUBACK reason code; deliver
-  needs it to tell "delivered" from "refused" (0x87 not authorized).
+  needs it to tell "delivered" from "refused" (0x87 not authorized).  Deliver
+  also learns each publish's packet id through its `persistent_storage` (a
+  constructor argument; checked here: `publish` and the PUBACK path still
+  call it).
+* `refusal_code`: the CONNACK reason of a refused connect, which
+  `MQTTConnectError` keeps private (doctor tells bad credentials apart).
 
 The shortcut runs outside gmqtt's own exception guard (the handler's
 `__call__`), so it carries its own: an unexpected error is handed to the
@@ -46,8 +51,9 @@ from typing import Any, Final, Protocol
 import gmqtt
 from gmqtt.mqtt.connection import MQTTConnection
 from gmqtt.mqtt.constants import MQTTv50
-from gmqtt.mqtt.handler import MqttPackageHandler
+from gmqtt.mqtt.handler import MQTTConnectError, MqttPackageHandler
 from gmqtt.mqtt.protocol import MQTTProtocol
+from gmqtt.storage import PersistentStorage
 
 from .mqtt_codec import PUBLISH, parse_ack
 
@@ -100,6 +106,9 @@ _SIGNATURES: Final = (
     (MQTTConnection, "send_package", ("self", "package")),
     (MQTTConnection, "is_closing", ("self",)),
     (MQTTProtocol, "read", ("self", "n")),
+    (PersistentStorage, "push_message", ("self", "mid", "raw_package")),
+    (PersistentStorage, "remove_message_by_mid", ("self", "mid")),
+    (PersistentStorage, "clear", ("self",)),
 )
 # (class, function, names its code must use): instance attributes we read or
 # write are assigned in __init__; gmqtt's own code must still use what we set.
@@ -118,6 +127,10 @@ _USES: Final = (
     (MQTTConnection, "_keep_connection", ("_last_data_in",)),
     (MQTTProtocol, "_read_loop", ("read", "_read_packet")),
     (MQTTProtocol, "_read_packet", ("_connection", "put_package")),
+    (gmqtt.Client, "publish", ("_persistent_storage", "push_message")),
+    (gmqtt.Client, "_remove_message_from_queue", ("_persistent_storage", "remove_message_by_mid")),
+    (gmqtt.Client, "_clear_resend_qos_queue", ("_persistent_storage", "clear")),
+    (MQTTConnectError, "__init__", ("_code",)),
 )
 
 
@@ -304,3 +317,10 @@ def on_puback(client: gmqtt.Client, seen: Callable[[int, int], None]) -> None:
         original(cmd, body)
 
     handler._handle_puback_packet = handle  # noqa: SLF001 - gmqtt 0.8 drops the reason code
+
+
+def refusal_code(exc: MQTTConnectError) -> int | None:
+    """The CONNACK reason code of a refused connect (MQTTConnectError keeps it private)."""
+    check_gmqtt()
+    code = getattr(exc, "_code", None)
+    return code if isinstance(code, int) else None

@@ -42,7 +42,7 @@ from gmqtt.mqtt.handler import MQTTConnectError
 
 from ..buffer_admin import read_stats
 from ..config import ConfigError, Settings, load_config
-from ..gmqtt_hooks import own_reconnect
+from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
 from ..uplink.iggy import _Connection
@@ -201,7 +201,7 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
             client.connect(m.host, m.port, ssl=ctx, version=MQTTv50, keepalive=30), timeout
         )
     except MQTTConnectError as e:
-        code = getattr(e, "_code", None)
+        code = refusal_code(e)
         if code in BAD_CREDENTIALS:
             return Check(
                 "broker",
