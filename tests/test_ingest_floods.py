@@ -2,18 +2,27 @@
 real Mosquitto, keeps its peak RSS under a loose bound (200 MB; the benchmark,
 bench/flood_bench.py, prints the figures against the 120 MB target).  Before
 pending work was bounded by bytes these two floods peaked at 242 MB (800
-oversize QoS0 dead letters) and 506 MB (1,500 QoS1 payloads of 256 KiB)."""
+oversize QoS0 dead letters) and 506 MB (1,500 QoS1 payloads of 256 KiB).
+Also: QoS0 dead letters keep to the QoS0 bound, and dead letters are
+committed in groups."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from iggy_edge import ingest
+from iggy_edge.store.dead import DeadLetter
 
-from tests.support.broker import mosquitto_binary
+from tests.support.agent import make_settings, running_agent
+from tests.support.broker import Broker, mosquitto_binary
+from tests.support.mqtt import publish_all
+from tests.support.wait import async_wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOSE_BOUND_MB = 200
@@ -37,3 +46,49 @@ def test_flood_peak_rss_is_bounded(flood: str) -> None:
     assert res["committed"] + res["dead_letters"] + sum(res["dropped"].values()) == res["count"]
     assert res["agent_exit"] == 0
     assert res["value"] < LOOSE_BOUND_MB, res
+
+
+async def test_qos0_dead_letters_keep_to_the_qos0_bound(
+    tmp_path: Path, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While dead letters wait for their commit, more QoS0 dead letters than
+    the QoS0 bound are dropped and counted, not queued without limit."""
+    monkeypatch.setattr(ingest, "QOS0_PENDING_LIMIT", 50)
+    release = asyncio.Event()
+    async with running_agent(make_settings(tmp_path, broker)) as agent:
+        assert agent.outbox is not None
+        real = agent.outbox.dead_letters
+
+        async def held(items: Sequence[DeadLetter]) -> None:
+            await release.wait()
+            await real(items)
+
+        monkeypatch.setattr(agent.outbox, "dead_letters", held)
+        await publish_all(broker.host, broker.port, "flood-q0", [("edge/d/up/env", b"")] * 200, qos=0)
+        m = agent.metrics
+        await async_wait_until(lambda: m.value("iggy_edge_ingest_messages_total", qos="0") == 200, 20)
+        dropped = m.value("iggy_edge_store_dropped_records_total", reason="qos0_queue_full")
+        assert dropped == 150
+        release.set()
+        await async_wait_until(
+            lambda: m.value("iggy_edge_store_dead_letters_total", reason="empty_payload") == 50, 20
+        )
+
+
+async def test_dead_letters_are_committed_in_groups(
+    tmp_path: Path, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    groups: list[int] = []
+    async with running_agent(make_settings(tmp_path, broker)) as agent:
+        assert agent.outbox is not None
+        real = agent.outbox.dead_letters
+
+        async def counted(items: Sequence[DeadLetter]) -> None:
+            groups.append(len(items))
+            await real(items)
+
+        monkeypatch.setattr(agent.outbox, "dead_letters", counted)
+        await publish_all(broker.host, broker.port, "flood-g", [("edge/d/up/env", b"")] * 2000, qos=1)
+        await async_wait_until(lambda: sum(groups) == 2000, 30)
+    assert max(groups) > 1
+    assert len(groups) < 2000 / 4, f"{len(groups)} commits for 2000 dead letters"
