@@ -119,11 +119,9 @@ class Publisher:
                 await writer.wait_closed()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        buf = b""
+        splitter = codec.Splitter()
         while chunk := await reader.read(65536):
-            packets, used = codec.split_packets(buf + chunk)
-            buf = (buf + chunk)[used:]
-            for first, body in packets:
+            for first, body in splitter.feed(chunk):
                 if first & 0xF0 == codec.PUBACK:
                     mid, _ = codec.parse_ack(body)
                     if mid in self._mids:

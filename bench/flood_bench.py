@@ -41,9 +41,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PYTHON, emit, emit_machine, free_port, vm_hwm_kb, vm_rss_kb
 from _common import broker as make_broker
+from _common import emit, emit_machine, free_port, vm_hwm_kb, vm_rss_kb
 from iggy_edge import mqtt_codec as codec
+from memory_bench import iggy_edge_cmd
 
 BENCH = "flood"
 TARGET_MB = 120
@@ -55,11 +56,6 @@ FLOODS: dict[str, tuple[int, int, int]] = {
     "large_qos1": (1_500, 256 * KIB, 1),
     "large_qos0": (2_000, 256 * KIB, 0),
 }
-
-
-def iggy_edge_cmd() -> list[str]:
-    exe = Path(PYTHON).with_name("iggy-edge")
-    return [str(exe)] if exe.exists() else [PYTHON, "-m", "iggy_edge.cli.main"]
 
 
 def write_config(state: Path, port: int, metrics_port: int) -> Path:
@@ -134,11 +130,9 @@ async def publish(port: int, count: int, size: int, qos: int) -> float:
 
     async def read_acks() -> None:
         nonlocal acked
-        buf = b""
+        splitter = codec.Splitter()
         while chunk := await reader.read(65536):
-            packets, used = codec.split_packets(buf + chunk)
-            buf = (buf + chunk)[used:]
-            for first, _ in packets:
+            for first, _ in splitter.feed(chunk):
                 if first & 0xF0 == codec.PUBACK:
                     acked += 1
                     window.release()

@@ -200,3 +200,11 @@ def test_split_packets_keeps_a_partial_packet() -> None:
     packets, used = c.split_packets(stream)
     assert len(packets) == 3
     assert used == len(stream)
+
+
+def test_splitter_across_chunks() -> None:
+    stream = c.ack(c.PUBACK, 7) + c.publish("t", b"y" * 300) + c.PINGRESP_PACKET
+    s = c.Splitter()
+    got = [p for i in range(0, len(stream), 5) for p in s.feed(stream[i : i + 5])]
+    assert [first for first, _ in got] == [0x40, 0x30, 0xD0]
+    assert s.feed(b"") == []

@@ -114,6 +114,19 @@ def split_packets(buf: bytes | bytearray) -> tuple[list[tuple[int, bytes]], int]
     return out, pos
 
 
+class Splitter:
+    """Whole packets out of a byte stream read in arbitrary chunks."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[tuple[int, bytes]]:
+        data = self._buf + chunk if self._buf else chunk
+        packets, used = split_packets(data)
+        self._buf = data[used:]
+        return packets
+
+
 # -- properties (2.2.2.2) ----------------------------------------------------------
 
 # identifier -> data type, 2.2.2.2 table 2-4

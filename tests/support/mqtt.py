@@ -57,7 +57,7 @@ class Publisher:
 
     async def _read_loop(self) -> None:
         assert self._reader is not None
-        buf = b""
+        splitter = codec.Splitter()
         while True:
             try:
                 chunk = await self._reader.read(65536)
@@ -65,9 +65,7 @@ class Publisher:
                 return
             if not chunk:
                 return
-            packets, used = codec.split_packets(buf + chunk)
-            buf = (buf + chunk)[used:]
-            for first, body in packets:
+            for first, body in splitter.feed(chunk):
                 if first & 0xF0 == codec.PUBACK:
                     pid, _ = codec.parse_ack(body)
                     if pid in self._inflight:
