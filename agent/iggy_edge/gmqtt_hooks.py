@@ -251,6 +251,8 @@ def install_connection_hooks(client: gmqtt.Client, throttle: Callable[[], Awaita
     dispatch (straight to the hook `install_publish_hooks` set), and each read
     of the socket first awaits `throttle()` when it returns an awaitable."""
     handler = _handler(client)
+    if not installed(client)["publish"]:
+        raise RuntimeError("install_publish_hooks() must come first: the shortcut bypasses gmqtt's guard")
     conn = handler.current_connection
     if conn is None:
         raise GmqttInternalsChanged("gmqtt has no current connection after connect")

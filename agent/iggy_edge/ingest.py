@@ -237,7 +237,11 @@ class Ingest:
                 await self._sleep_or_stop(delay)
                 continue
             attempt = 0
-            hooks.install_connection_hooks(client, self._read_gate)
+            try:
+                hooks.install_connection_hooks(client, self._read_gate)
+            except hooks.GmqttInternalsChanged:
+                await self._close_client(client)
+                raise
             self._client = client
             self._metrics.mqtt_connected.set(1)
             self.connected.set()
