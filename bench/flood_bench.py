@@ -89,6 +89,16 @@ level = "WARNING"
     return conf
 
 
+def rss_parts_mb(pid: int) -> dict[str, float]:
+    """RssAnon / RssFile / RssShmem: what stays after a flood, by kind."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+            key, kb = line.split()[:2]
+            out[key.rstrip(":").lower()[3:] + "_after_mb"] = round(int(kb) / 1024, 1)
+    return out
+
+
 def scrape(metrics_port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
@@ -199,6 +209,7 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
             time.sleep(2.0)  # the last commits; then what stays
             m = scrape(metrics_port)
             hwm, rss = vm_hwm_kb(agent.pid), vm_rss_kb(agent.pid)
+            parts = rss_parts_mb(agent.pid)
         finally:
             agent.send_signal(signal.SIGTERM)
             try:
@@ -211,6 +222,7 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
         "peak_rss_mb": round(hwm / 1024, 1),
         "rss_after_mb": round(rss / 1024, 1),
         "rss_start_mb": round(rss_start / 1024, 1),
+        **parts,
         "count": count,
         "payload_bytes": size,
         "qos": qos,
