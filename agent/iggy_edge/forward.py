@@ -22,8 +22,8 @@ import contextlib
 import logging
 import time
 
+from .backoff import backoff_delay
 from .config import ForwardSettings
-from .ingest import backoff_delay
 from .logs import RateLimitedLog
 from .metrics import Metrics
 from .store import Outbox

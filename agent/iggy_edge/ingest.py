@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import struct
 import time
 import zlib
@@ -44,6 +43,7 @@ from typing import Any, Final
 import gmqtt
 from gmqtt.mqtt.constants import MQTTCommands, MQTTv50
 
+from .backoff import backoff_delay
 from .config import Settings
 from .logs import RateLimitedLog
 from .metrics import Metrics
@@ -75,11 +75,6 @@ def _write(conn: Any, packets: list[bytes]) -> None:
     warning, when that connection has closed: the broker redelivers)."""
     if conn is not None and packets:
         conn._protocol.write_data(b"".join(packets))
-
-
-def backoff_delay(attempt: int, base: float, cap: float) -> float:
-    """Capped exponential backoff with full jitter (AWS architecture blog)."""
-    return random.uniform(0, min(cap, base * (2 ** min(attempt, 30))))  # noqa: S311 - jitter, not crypto
 
 
 class Ingest:

@@ -17,9 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from .backoff import backoff_delay
 from .config import Settings
 from .forward import Forwarder
-from .ingest import Ingest, backoff_delay
+from .ingest import Ingest
 from .metrics import Metrics
 from .routing import Router
 from .store import Outbox

@@ -46,8 +46,8 @@ from typing import Final
 import gmqtt
 from gmqtt.storage import PersistentStorage
 
+from ..backoff import backoff_delay
 from ..config import Settings
-from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqttconn import CONNECT_ERRORS, connect, set_credentials

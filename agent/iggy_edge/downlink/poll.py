@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from ..backoff import backoff_delay
 from ..config import Settings
-from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..store import Outbox
