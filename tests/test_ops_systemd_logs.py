@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,10 +19,12 @@ from typing import Any
 
 import pytest
 from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, setup_logging
-from iggy_edge.runtime import Health
+from iggy_edge.runtime import Health, build_agent
 from iggy_edge.systemd import Notifier, systemd_notify
 
+from tests.support.agent import make_settings
 from tests.support.auth_broker import password_broker
+from tests.support.broker import Broker
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
@@ -51,28 +54,57 @@ async def _recv(sock: socket.socket, timeout: float = 5.0) -> str:
     return data.decode()
 
 
-async def test_ready_watchdog_stopping(tmp_path: Path, notify_socket: socket.socket) -> None:
-    env = {
-        "NOTIFY_SOCKET": str(tmp_path / "notify"),
-        "WATCHDOG_USEC": "200000",
-        "WATCHDOG_PID": str(os.getpid()),
-    }
-    notifier = Notifier(env)
-    assert notifier.watchdog_interval_s == pytest.approx(0.1)
-    agent = _fake_agent()
-    task = asyncio.create_task(systemd_notify(agent, notifier))
-    await asyncio.sleep(0.05)
-    assert not task.done()
-    agent.ready.set()  # READY=1 only once the agent is ready
-    first = await _recv(notify_socket)
-    assert first.splitlines()[0] == "READY=1"
-    assert "STATUS=ingest up, store ok, uplink up, backlog 7 records" in first
-    pings = [await _recv(notify_socket) for _ in range(3)]
-    assert all(p.startswith("WATCHDOG=1\n") for p in pings)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await _recv(notify_socket) == "STOPPING=1"
+async def test_ready_only_once_the_stages_are_up_then_watchdog_then_stopping(
+    tmp_path: Path, notify_socket: socket.socket, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real agent (built like `iggy-edge run` builds it) under a fake
+    systemd: READY=1 is the first message, and what it reports was true when
+    it was sent -- buffer open, MQTT session up -- so a READY sent before the
+    stages were up would fail here (it would say "ingest down")."""
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    settings = make_settings(tmp_path, broker, metrics={"enabled": False})
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    try:
+        first = await _recv(notify_socket, timeout=20)
+        assert first.splitlines()[0] == "READY=1"
+        assert "STATUS=ingest up, store ok, uplink none, backlog 0 records" in first
+        assert agent.ready.is_set()
+        assert agent.health().ingest == "up"
+        pings = [await _recv(notify_socket) for _ in range(3)]
+        assert all(p.startswith("WATCHDOG=1\n") for p in pings)
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 15)
+    rest = []
+    while not rest or rest[-1] != "STOPPING=1":
+        rest.append(await _recv(notify_socket))
+    assert all(r.startswith("WATCHDOG=1\n") for r in rest[:-1])
+
+
+async def test_ready_comes_within_the_bound_when_the_broker_is_away(
+    tmp_path: Path, notify_socket: socket.socket
+) -> None:
+    """No broker at boot: READY=1 still comes (systemd must not kill an agent
+    that drains its backlog), after the bound, and says ingest is down."""
+    settings = make_settings(tmp_path, mqtt={"port": free_port()}, metrics={"enabled": False})
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
+    notify = asyncio.create_task(systemd_notify(agent, notifier, ready_wait_s=0.5))
+    try:
+        ready = await _recv(notify_socket)
+        assert ready.splitlines()[0] == "READY=1"
+        assert "STATUS=ingest down, store ok" in ready
+        assert agent.ready.is_set()
+    finally:
+        notify.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await notify
+        agent.stop()
+        await asyncio.wait_for(task, 15)
 
 
 async def test_abstract_socket_address(notify_socket: socket.socket) -> None:
