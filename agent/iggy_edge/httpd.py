@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 
 from . import __version__
+from .config import parse_listen
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -50,14 +51,6 @@ REASONS: Final = {
     400: "Bad Request",
     503: "Service Unavailable",
 }
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"metrics.listen must be host:port, got {listen!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def local_url(listen: str) -> str:
