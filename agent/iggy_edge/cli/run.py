@@ -46,6 +46,7 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     """Run the agent: MQTT in, SQLite store-and-forward, batched Iggy out. Stops cleanly on SIGTERM."""
     settings = load_or_exit(config)
     secrets = [p.get_secret_value() for p in (settings.mqtt.password, settings.iggy.password) if p]
-    setup_logging(settings.logging.level, settings.logging.format, secrets)
+    public = [settings.mqtt.username, settings.iggy.username, settings.gateway_id, settings.mqtt_client_id]
+    setup_logging(settings.logging.level, settings.logging.format, secrets, public)
     log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
     asyncio.run(run_agent(build_agent(settings)))
