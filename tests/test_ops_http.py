@@ -4,6 +4,7 @@ MemoryIggy uplink), and `iggy-edge status` reading the same figures."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import urllib.error
 import urllib.request
@@ -12,8 +13,9 @@ from typing import Any
 
 from iggy_edge.cli.main import app
 from iggy_edge.cli.status import parse_metrics
-from iggy_edge.config import Settings
-from iggy_edge.httpd import http_endpoint
+from iggy_edge.config import MetricsSettings, Settings, parse_listen
+from iggy_edge.httpd import MetricsServer, http_endpoint, local_url
+from iggy_edge.runtime import Agent
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 
@@ -156,9 +158,23 @@ async def test_http_routes_and_methods(tmp_path: Path, broker: Broker) -> None:
         assert (await get(f"{base}/health"))[0] == 200
 
 
-async def test_endpoint_binds_to_localhost_by_default(tmp_path: Path, broker: Broker) -> None:
-    settings = make_settings(tmp_path, broker)
-    assert settings.metrics.listen.startswith("127.0.0.1:")
+async def test_endpoint_binds_to_localhost_by_default(tmp_path: Path) -> None:
+    """The socket the server actually bound, with the default listen host (on a
+    free port: 9108 may be taken on a shared machine), is loopback only."""
+    default_host, _ = parse_listen(MetricsSettings().listen)
+    listen = f"{default_host}:{free_port()}"
+    server = MetricsServer(Agent(make_settings(tmp_path)), listen)
+    await server.start()
+    try:
+        bound = server.bound_addresses
+        assert bound, "the server bound no socket"
+        assert all(ipaddress.ip_address(host).is_loopback for host, _ in bound), bound
+        assert {port for _, port in bound} == {server.port}
+        # and it answers there
+        status, _, _ = await get(f"{local_url(listen)}/")
+        assert status == 200
+    finally:
+        await server.close()
 
 
 async def test_status_reads_the_running_agent_and_falls_back_to_the_buffer(

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, setup_logging
+from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, install_loop_exception_handler, setup_logging
 from iggy_edge.runtime import Health
 from iggy_edge.systemd import Notifier, systemd_notify
 
@@ -182,6 +182,26 @@ def test_long_secret_is_redacted_anywhere_but_not_when_it_is_public() -> None:
     rec = _record("echoed Vai9e-long-secret by a library; gateway gw-plant-7")
     red.filter(rec)
     assert rec.getMessage() == f"echoed {REDACTED} by a library; gateway gw-plant-7"
+
+
+async def test_loop_exception_handler_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio's error reports (e.g. accept() out of descriptors) are logged once
+    per kind and interval, with the traceback, not once each."""
+    loop = asyncio.get_running_loop()
+    old = loop.get_exception_handler()
+    install_loop_exception_handler(loop, interval=60)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(1000):
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": OSError(24, "EMFILE")}
+                )
+            loop.call_exception_handler({"message": "another kind"})
+    finally:
+        loop.set_exception_handler(old)
+    records = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.getMessage() for r in records] == ["socket.accept() out of system resource", "another kind"]
+    assert records[0].exc_info is not None
 
 
 def test_setup_logging_rejects_unknown_format() -> None:

@@ -7,13 +7,14 @@ metrics, not in logs.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import logging
 import re
 import time
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 REDACTED: Final = "**********"
 
@@ -25,7 +26,9 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+    def log(
+        self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | None = None
+    ) -> None:
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
@@ -36,9 +39,9 @@ class RateLimitedLog:
             self._last = {key: now}
         suppressed = self._suppressed.pop(key, 0)
         if suppressed:
-            self._logger.log(level, msg + " (%d similar suppressed)", *args, suppressed)
+            self._logger.log(level, msg + " (%d similar suppressed)", *args, suppressed, exc_info=exc_info)
         else:
-            self._logger.log(level, msg, *args)
+            self._logger.log(level, msg, *args, exc_info=exc_info)
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, key, msg, *args)
@@ -86,6 +89,25 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in secrets:
         text = text.replace(secret, REDACTED)
     return text
+
+
+def install_loop_exception_handler(loop: asyncio.AbstractEventLoop, interval: float = 30.0) -> None:
+    """Route asyncio's own error reports (an accept() that ran out of file
+    descriptors, a callback that raised) through a `RateLimitedLog`: each kind
+    (message and exception type) at most once per `interval`, with its
+    traceback and the number suppressed.  asyncio's default handler logs every
+    one with a traceback: a descriptor flood wrote thousands of lines."""
+    limited = RateLimitedLog(logging.getLogger("asyncio"), interval)
+
+    def handler(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        message = str(context.get("message") or "unhandled error in the event loop")
+        key = f"{message}|{type(exc).__name__ if exc else ''}"
+        limited.log(
+            logging.ERROR, key, "%s", message, exc_info=exc if isinstance(exc, BaseException) else None
+        )
+
+    loop.set_exception_handler(handler)
 
 
 class Redactor(logging.Filter):

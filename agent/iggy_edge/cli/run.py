@@ -9,7 +9,7 @@ import signal
 from ..config import Settings
 from ..downlink import return_path
 from ..httpd import http_endpoint
-from ..logs import setup_logging
+from ..logs import install_loop_exception_handler, setup_logging
 from ..runtime import Agent, Component
 from ..systemd import systemd_notify
 from ..uplink.factory import make_command_source, make_uplink
@@ -33,6 +33,7 @@ def build_agent(settings: Settings) -> Agent:
 
 async def run_agent(agent: Agent) -> None:
     loop = asyncio.get_running_loop()
+    install_loop_exception_handler(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stop)
     try:
