@@ -62,12 +62,12 @@ self_wheel=$(ls "$work"/self/iggy_edge-*.whl)
 cp "$self_wheel" "$wheels/"
 
 # Dependencies as wheels for the target: every manylinux tag glibc 2.36
-# (Debian 12) can run.
+# (Debian 12) can run, at the versions CI tested (constraints.txt).
 platforms=(--platform "manylinux2014_$machine")
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_$machine"); done
 for pyver in $pythons; do
   "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
-    --python-version "$pyver" "${platforms[@]}" -d "$wheels" "$self_wheel"
+    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "$self_wheel"
 done
 echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
 
