@@ -346,12 +346,19 @@ class Settings(_Model):
     mqtt: MqttSettings = MqttSettings()
     iggy: IggySettings = IggySettings()
     # At least one rule: with none every message would be dead-lettered.
-    routes: Annotated[tuple[RouteSettings, ...], Field(min_length=1)] = Field(default_factory=_default_routes)
+    routes: tuple[RouteSettings, ...] = Field(default_factory=_default_routes)
     buffer: BufferSettings = BufferSettings()
     forward: ForwardSettings = ForwardSettings()
     downlink: DownlinkSettings = DownlinkSettings()
     metrics: MetricsSettings = MetricsSettings()
     logging: LoggingSettings = LoggingSettings()
+
+    @field_validator("routes")
+    @classmethod
+    def _some_routes(cls, v: tuple[RouteSettings, ...]) -> tuple[RouteSettings, ...]:
+        if not v:
+            raise ValueError("at least one route is needed (with none every message is dead-lettered)")
+        return v
 
     @field_validator("gateway_id")
     @classmethod

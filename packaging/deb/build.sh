@@ -76,6 +76,7 @@ install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/system
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
+install -D -m 0644 "$repo/docs/config.md" "$root/usr/share/doc/iggy-edge/config.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
 mkdir -p "$root/usr/bin"
 ln -s /opt/iggy-edge/venv/bin/iggy-edge "$root/usr/bin/iggy-edge"
