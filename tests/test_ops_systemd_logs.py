@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, setup_logging
+from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, install_loop_exception_handler, setup_logging
 from iggy_edge.runtime import Health, build_agent
 from iggy_edge.systemd import Notifier, systemd_notify
 
@@ -161,7 +161,7 @@ def test_json_format_is_one_object_per_line() -> None:
 
 
 def test_redactor_removes_secret_from_message_args_and_traceback() -> None:
-    red = Redactor(["hunter2-secret", "ab"])  # too-short values are not redacted
+    red = Redactor(["hunter2-secret", "ab"])  # short values only where secrets stand
     rec = _record("connect to iggy+tcp://u:%s@host failed", "hunter2-secret")
     assert red.filter(rec)
     assert "hunter2-secret" not in rec.getMessage()
@@ -173,6 +173,67 @@ def test_redactor_removes_secret_from_message_args_and_traceback() -> None:
     red.filter(rec)
     assert "hunter2-secret" not in JsonFormatter().format(rec)
     assert "login failed for password" in JsonFormatter().format(rec)
+
+
+def test_redaction_where_secrets_stand_not_everywhere() -> None:
+    """A short password equal to the user name is redacted in the URL and after
+    `password=`, and every other mention of the user stays readable."""
+    red = Redactor(["agent"], public=["agent", "gw-1"])
+    rec = _record(
+        "user agent: connect to mqtt://agent:agent@127.0.0.1:1883 failed (password=agent); agent retries"
+    )
+    red.filter(rec)
+    assert rec.getMessage() == (
+        f"user agent: connect to mqtt://agent:{REDACTED}@127.0.0.1:1883 failed "
+        f"(password={REDACTED}); agent retries"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("iggy+tcp://u:p4ss@host:8090?tls=true", f"iggy+tcp://u:{REDACTED}@host:8090?tls=true"),
+        ('{"password": "a b c", "user": "u"}', f'{{"password": "{REDACTED}", "user": "u"}}'),
+        ("{'mqtt_password': 'x', 'host': 'h'}", f"{{'mqtt_password': '{REDACTED}', 'host': 'h'}}"),
+        ("token: abc123, next", f"token: {REDACTED}, next"),
+        ("IGGY_PASSWORD=xyz other=1", f"IGGY_PASSWORD={REDACTED} other=1"),
+        ("api-key = k&x=1", f"api-key = {REDACTED}&x=1"),
+        # no secret stands here: nothing is touched
+        ("2 tokens left, http://host/a:b@c, password reset by operator", None),
+        ("the secret sauce", None),
+    ],
+)
+def test_redaction_patterns(line: str, expected: str | None) -> None:
+    rec = _record(line.replace("%", "%%"))
+    Redactor().filter(rec)
+    assert rec.getMessage() == (line if expected is None else expected)
+
+
+def test_long_secret_is_redacted_anywhere_but_not_when_it_is_public() -> None:
+    red = Redactor(["Vai9e-long-secret", "gw-plant-7"], public=["gw-plant-7"])
+    rec = _record("echoed Vai9e-long-secret by a library; gateway gw-plant-7")
+    red.filter(rec)
+    assert rec.getMessage() == f"echoed {REDACTED} by a library; gateway gw-plant-7"
+
+
+async def test_loop_exception_handler_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio's error reports (e.g. accept() out of descriptors) are logged once
+    per kind and interval, with the traceback, not once each."""
+    loop = asyncio.get_running_loop()
+    old = loop.get_exception_handler()
+    install_loop_exception_handler(loop, interval=60)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(1000):
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": OSError(24, "EMFILE")}
+                )
+            loop.call_exception_handler({"message": "another kind"})
+    finally:
+        loop.set_exception_handler(old)
+    records = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.getMessage() for r in records] == ["socket.accept() out of system resource", "another kind"]
+    assert records[0].exc_info is not None
 
 
 def test_setup_logging_rejects_unknown_format() -> None:
