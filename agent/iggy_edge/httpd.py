@@ -55,8 +55,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from . import __version__
-from .config import parse_listen
 from .backoff import backoff_delay
+from .config import parse_listen
 from .logs import RateLimitedLog
 
 if TYPE_CHECKING:
