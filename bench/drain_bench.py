@@ -10,6 +10,11 @@ Then the real `Forwarder` (default `[forward]` settings) drains it:
 * to a real Iggy server when ``iggy-server`` is on PATH (started on a free
   port by tests/support/iggy_server.py); otherwise a "skipped" line says why.
 
+The uplink's own share is measured apart (``memory_uplink_send_rate``):
+`MemoryUplink.send` alone, the records already built, 1,000-record batches
+over 500 keys (target 500,000 records/s, so that it stays a small part of a
+drain at the 100,000/s target; this was a timed test before).
+
 Reference, in the same run on a copy of the same file: plain `sqlite3` (no
 aiosqlite, no record objects, no uplink) reading the same batches in seq
 order and deleting each after reading -- the floor the storage sets.
@@ -36,7 +41,7 @@ from _common import emit, emit_machine, payload_60, skipped, spread
 from iggy_edge.config import parse_config
 from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
-from iggy_edge.records import Route
+from iggy_edge.records import OutboundRecord, Route, make_message_id
 from iggy_edge.store import Incoming, Outbox
 from iggy_edge.uplink.iggy import IggyUplink
 from iggy_edge.uplink.memory import MemoryIggy
@@ -128,6 +133,44 @@ def reference(path: Path, records: int, batch: int) -> float:
     if done != records:
         raise RuntimeError(f"reference read {done} of {records}")
     return seconds
+
+
+async def uplink_send(records: int, repeat: int) -> list[float]:
+    """MemoryUplink.send alone, `repeat` times over `records` records (in
+    1,000-record batches, 500 keys); records/s of each run.  (Was
+    tests/test_uplink_memory.py::test_million_records_fast_enough.)"""
+    keys = [f"dev-{i}" for i in range(500)]
+    batch = 1000
+    batches = [
+        [
+            OutboundRecord(
+                seq=b * batch + i + 1,
+                message_id=make_message_id(0xABCD, 7, b * batch + i + 1),
+                stream="edge",
+                topic="telemetry",
+                key=keys[i % len(keys)],
+                payload=b"p",
+                headers={"mqtt-topic": f"edge/{keys[i % len(keys)]}/up/t"},
+            )
+            for i in range(batch)
+        ]
+        for b in range(max(1, min(records, 100_000) // batch))
+    ]
+    # At most 100,000 distinct records in memory, sent again until `records`.
+    rounds = max(1, records // (len(batches) * batch))
+    sent = rounds * len(batches) * batch
+    rates = []
+    for _ in range(repeat):
+        iggy = MemoryIggy(keep_payloads=False)
+        up = iggy.uplink()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            for b in batches:
+                await up.send(b)
+        rates.append(sent / (time.perf_counter() - started))
+        if iggy.count() != sent:
+            raise RuntimeError(f"memory iggy holds {iggy.count()} of {sent}")
+    return rates
 
 
 def copy_db(src: Path, dst: Path) -> Path:
@@ -222,6 +265,17 @@ def main() -> None:
             reference_spread=spread(ref_rates, 0),
             batch_records=batch,
             uplink="MemoryIggy(keep_payloads=False)",
+        )
+        send = spread(asyncio.run(uplink_send(records, repeat)), 0)
+        emit(
+            BENCH,
+            "memory_uplink_send_rate",
+            send["median"],
+            "records/s",
+            target=500_000,
+            records=records,
+            spread=send,
+            note="MemoryUplink.send alone, 1000-record batches over 500 keys",
         )
         if not a.no_iggy:
             run_iggy(src, work, records)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import sqlite3
@@ -21,7 +22,6 @@ import pytest
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.config import Settings
-from iggy_edge.downlink import return_path
 from iggy_edge.downlink.commands import (
     Command,
     commands_topic,
@@ -31,13 +31,13 @@ from iggy_edge.downlink.commands import (
     partition_of,
 )
 from iggy_edge.downlink.inbox import read_commands, read_offsets
-from iggy_edge.runtime import Agent
-from iggy_edge.uplink.factory import consumer_name, make_command_source, make_uplink
+from iggy_edge.runtime import build_agent
+from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.broker import Broker
-from tests.support.downlink import DeviceSubscriber, FreezableProxy, downlink_settings
+from tests.support.downlink import DeviceSubscriber, FreezableProxy, Received, downlink_settings
 from tests.support.iggy_server import IggyServer
 from tests.support.wait import async_wait_until
 
@@ -58,11 +58,8 @@ def send_raw(iggy: MemoryIggy, settings: Settings, device: str, payload: bytes) 
 
 class Running:
     def __init__(self, settings: Settings, iggy: MemoryIggy) -> None:
-        self.agent = Agent(
-            settings,
-            uplink=iggy.uplink(),
-            command_source=iggy.command_source(consumer_name(settings)),
-            components=(return_path,),
+        self.agent = build_agent(
+            settings, uplink=iggy.uplink(), command_source=iggy.command_source(consumer_name(settings))
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -104,6 +101,15 @@ async def device(broker: Broker, topic_filter: str = "edge/+/down/#") -> AsyncIt
         yield dev
     finally:
         await dev.stop()
+
+
+MARKER = json.dumps({"marker": True}).encode()
+
+
+def before_marker(messages: list[Received]) -> list[Received]:
+    """The messages a subscriber got before the MARKER (published later by
+    another client: what the broker sent before it, it sent first)."""
+    return list(itertools.takewhile(lambda m: m.payload != MARKER, messages))
 
 
 async def publish(broker: Broker, topic: str, payload: bytes) -> None:
@@ -213,9 +219,10 @@ async def test_duplicate_copy_in_iggy_is_delivered_once(tmp_path: Path, broker: 
         send(iggy, settings, cmd)
         send(iggy, settings, cmd)
         send(iggy, settings, after)
-        await async_wait_until(lambda: states(settings).get(after.id) == "delivered", what="all consumed")
+        # `after` comes behind both copies in the partition, and one device's
+        # commands are delivered in order: once the device has `after`, a
+        # wrong second copy of `cmd` would already be in front of it.
         await async_wait_until(lambda: after.id in dev.ids(), what="device got the last one")
-        await asyncio.sleep(0.2)  # room for a wrong second copy to show up
         assert dev.ids() == [cmd.id, after.id]
 
 
@@ -229,9 +236,11 @@ async def test_retained_config_replacement_through_the_agent(tmp_path: Path, bro
         await async_wait_until(lambda: stored_offset(settings, topic, part) == 2, what="configs consumed")
         await async_wait_until(lambda: _config_state(settings, "dev-1") == "delivered", what="retained")
     async with device(broker, "edge/dev-1/down/config") as late:
-        await async_wait_until(lambda: late.messages, what="retained config arrives")
-        await asyncio.sleep(0.2)
-        assert [(m.doc, m.retain) for m in late.messages] == [({"period_s": 30}, True)]
+        # Retained messages come right after the SUBACK, before anything
+        # published later: everything before the marker is what was retained.
+        await publish(broker, "edge/dev-1/down/config", MARKER)
+        await async_wait_until(lambda: len(before_marker(late.messages)) < len(late.messages), what="marker")
+        assert [(m.doc, m.retain) for m in before_marker(late.messages)] == [({"period_s": 30}, True)]
 
 
 def _config_state(settings: Settings, dev: str) -> str:
@@ -313,12 +322,16 @@ async def test_kill_between_receiving_and_delivering(tmp_path: Path, broker: Bro
     assert set(states(settings).values()) == {"received"}
     broker.start()
     async with device(broker) as dev, running(settings, iggy) as second:
-        await async_wait_until(lambda: set(states(settings).values()) == {"delivered"}, what="delivered")
-        await asyncio.sleep(0.3)  # room for a wrong second copy to show up
-        assert dev.ids() == [c.id for c in cmds]
-        # Resumed after the stored offset: nothing was received a second time.
-        assert second.metric("iggy_edge_downlink_commands_total", state="received") == 0
-        assert second.metric("iggy_edge_downlink_commands_total", state="delivered") == 5
+        # A marker behind the five, for the same device: once it is there, a
+        # wrong second copy of any of the five would be in front of it.
+        marker = make_command("dev-1", "marker")
+        send(iggy, settings, marker)
+        await async_wait_until(lambda: marker.id in dev.ids(), what="the marker")
+        assert dev.ids() == [c.id for c in cmds] + [marker.id]
+        # Resumed after the stored offset: only the marker was read from Iggy.
+        assert second.metric("iggy_edge_downlink_commands_total", state="received") == 1
+        await async_wait_until(lambda: states(settings)[marker.id] == "delivered", what="marker recorded")
+        assert second.metric("iggy_edge_downlink_commands_total", state="delivered") == 6
 
 
 async def test_kill_between_broker_puback_and_recording_delivery(
@@ -378,9 +391,15 @@ async def test_clean_restarts_never_deliver_twice(tmp_path: Path, broker: Broker
                     lambda ids=ids: all(states(settings).get(i) == "delivered" for i in ids),
                     what="round delivered",
                 )
-        await asyncio.sleep(0.3)
-        assert sorted(dev.ids()) == sorted(c.id for c in sent)
-        assert len(dev.ids()) == len(set(dev.ids())) == 12
+        # One more clean restart, with a marker command through the agent: a
+        # wrong repeat is made when the deliverer starts, before the marker.
+        async with running(settings, iggy):
+            marker = make_command("dev-0", "marker")
+            send(iggy, settings, marker)
+            await async_wait_until(lambda: marker.id in dev.ids(), what="the marker")
+        got = dev.ids()[: dev.ids().index(marker.id)]
+        assert sorted(got) == sorted(c.id for c in sent)
+        assert len(got) == len(set(got)) == 12
 
 
 # -- a real iggy-server ------------------------------------------------------------------
@@ -401,12 +420,7 @@ async def test_real_iggy_command_send_delivery_and_mirrored_offset(
             "partitions": 3,
         },
     )
-    agent = Agent(
-        settings,
-        uplink=make_uplink(settings),
-        command_source=make_command_source(settings),
-        components=(return_path,),
-    )
+    agent = build_agent(settings)
     task = asyncio.create_task(agent.run())
     try:
         async with device(broker) as dev:

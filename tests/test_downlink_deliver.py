@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import sqlite3
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import gmqtt
 import pytest
+from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import Ack, CommandState, make_command, make_config
 from iggy_edge.downlink.deliver import Deliverer
@@ -18,7 +23,7 @@ from iggy_edge.downlink.inbox import Inbox, read_commands
 from iggy_edge.metrics import Metrics
 
 from tests.support.broker import Broker
-from tests.support.downlink import DeviceSubscriber, downlink_settings
+from tests.support.downlink import DeviceSubscriber, Received, downlink_settings
 from tests.support.wait import async_wait_until
 
 
@@ -41,10 +46,26 @@ async def deliverer(settings: Settings) -> AsyncIterator[tuple[Deliverer, Inbox,
         await inbox.close()
 
 
-async def put(inbox: Inbox, *items: object, offset: int = 0) -> None:
+async def put(inbox: Inbox, *items: object, offset: int = 0, now: float | None = None) -> None:
+    """Store items as one poll would (`now`: the time the poll happened)."""
     cmds = [(c, f"t/0@{offset + i}") for i, c in enumerate(items) if not hasattr(c, "config")]
     cfgs = [(c, f"c/0@{offset + i}") for i, c in enumerate(items) if hasattr(c, "config")]
-    await inbox.store_polled("edge", "commands.gw-test", 0, offset + len(items) - 1, cmds, cfgs)  # type: ignore[arg-type]
+    last = offset + len(items) - 1
+    await inbox.store_polled("edge", "commands.gw-test", 0, last, cmds, cfgs, now=now)  # type: ignore[arg-type]
+
+
+async def publish_marker(broker: Broker, topic: str) -> None:
+    """A non-retained message from another client: a subscriber that gets it
+    has already got everything the broker sent it before (one connection,
+    in order), so "nothing else arrived" can be checked without sleeping."""
+    client = gmqtt.Client(f"marker-{uuid.uuid4().hex[:8]}", clean_session=True)
+    await client.connect(broker.host, broker.port, version=MQTTv50)
+    client.publish(topic, json.dumps({"marker": True}).encode(), qos=1)
+    await client.disconnect()
+
+
+def before_marker(messages: list[Received]) -> list[Received]:
+    return list(itertools.takewhile(lambda m: m.doc != {"marker": True}, messages))
 
 
 async def test_command_is_marked_delivered_only_after_the_brokers_puback(
@@ -107,15 +128,18 @@ async def test_expired_commands_are_not_delivered(tmp_path: Path, broker: Broker
     dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/cmd").start()
     try:
         async with deliverer(settings) as (d, inbox, _):
-            stale = make_command("dev-1", "old", ttl_s=0.3)
+            # Created 10 s ago with 5 s to live: past its expiry before delivery.
+            stale = make_command("dev-1", "old", ttl_s=5, now=time.time() - 10)
             fresh = make_command("dev-1", "new", ttl_s=60)
-            await asyncio.sleep(0.4)  # let `stale` pass its expiry before delivery
             await put(inbox, stale, fresh)
             d.wake()
             await async_wait_until(
                 lambda: states(settings).get(fresh.id) == "delivered", what="fresh delivered"
             )
             assert states(settings)[stale.id] == "expired"
+            # Delivery is in inbox order over one connection: a stale copy
+            # sent by mistake would reach the device before `fresh`.
+            await async_wait_until(lambda: fresh.id in dev.ids(), what="device got fresh")
             assert dev.ids() == [fresh.id]
     finally:
         await dev.stop()
@@ -125,10 +149,12 @@ async def test_commands_expire_while_the_broker_is_down(tmp_path: Path, broker: 
     settings = downlink_settings(tmp_path, broker)
     broker.stop()
     async with deliverer(settings) as (d, inbox, metrics):
-        cmd = make_command("dev-1", "x", ttl_s=60)
-        await put(inbox, cmd)
-        # Arrived valid; its expiry passes while no broker is reachable.
-        await inbox._conn.execute("UPDATE downlink_commands SET expires_at = ?", (time.time() + 0.5,))
+        # Polled 10 s ago with 5 s to live: arrived valid, and its expiry
+        # passed while no broker was reachable.
+        polled_at = time.time() - 10
+        cmd = make_command("dev-1", "x", ttl_s=5, now=polled_at)
+        await put(inbox, cmd, now=polled_at)
+        assert states(settings)[cmd.id] == "received"
         await async_wait_until(lambda: states(settings)[cmd.id] == "expired", what="expired without broker")
         assert metrics.value("iggy_edge_downlink_commands_total", state="expired") == 1
         assert not d.connected.is_set()
@@ -151,9 +177,11 @@ async def test_retained_config_late_subscriber_gets_only_the_newest(tmp_path: Pa
         await async_wait_until(lambda: _config_state(settings) == "delivered", what="config 4 retained")
     late = await DeviceSubscriber(broker.host, broker.port, "edge/dev-1/down/config").start()
     try:
-        await async_wait_until(lambda: late.messages, what="retained config")
-        await asyncio.sleep(0.2)  # a second retained message would arrive right behind the first
-        assert [(m.doc, m.retain) for m in late.messages] == [({"period_s": 40}, True)]
+        # Retained messages come right after the SUBACK, before anything
+        # published later: everything before the marker is what was retained.
+        await publish_marker(broker, "edge/dev-1/down/config")
+        await async_wait_until(lambda: len(before_marker(late.messages)) < len(late.messages), what="marker")
+        assert [(m.doc, m.retain) for m in before_marker(late.messages)] == [({"period_s": 40}, True)]
     finally:
         await late.stop()
 
@@ -171,15 +199,20 @@ async def test_broker_outage_commands_wait_and_go_out_in_order(tmp_path: Path, b
         broker.stop()
         await async_wait_until(lambda: not d.connected.is_set(), what="deliver noticed the outage")
         cmds = [make_command(f"dev-{i % 2}", "step", {"i": i}) for i in range(20)]
-        await put(inbox, *cmds)
+        # A marker polled 10 s ago with 5 s to live: the deliverer expires it
+        # on its next pass, so once it is expired the deliverer has had its
+        # chance at the other 20 while the broker was away.
+        polled_at = time.time() - 10
+        marker = make_command("dev-0", "marker", ttl_s=5, now=polled_at)
+        await put(inbox, *cmds, marker, now=polled_at)
         d.wake()
-        await asyncio.sleep(0.5)
-        assert set(states(settings).values()) == {"received"}  # nothing delivered, nothing lost
+        await async_wait_until(lambda: states(settings)[marker.id] == "expired", what="a deliverer pass")
+        assert {states(settings)[c.id] for c in cmds} == {"received"}  # nothing delivered, nothing lost
         broker.start()  # same port, persistence kept
         dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/cmd").start()
         try:
             await async_wait_until(
-                lambda: set(states(settings).values()) == {"delivered"},
+                lambda: all(states(settings)[c.id] == "delivered" for c in cmds),
                 timeout=15,
                 what="delivered after the outage",
             )

@@ -4,16 +4,22 @@ MemoryIggy uplink), and `iggy-edge status` reading the same figures."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
+import logging
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from iggy_edge.cli.main import app
 from iggy_edge.cli.status import parse_metrics
-from iggy_edge.config import Settings
-from iggy_edge.httpd import http_endpoint
+from iggy_edge.config import MetricsSettings, Settings, parse_listen
+from iggy_edge.httpd import MetricsServer, http_endpoint, local_url
+from iggy_edge.runtime import Agent
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 
@@ -156,9 +162,23 @@ async def test_http_routes_and_methods(tmp_path: Path, broker: Broker) -> None:
         assert (await get(f"{base}/health"))[0] == 200
 
 
-async def test_endpoint_binds_to_localhost_by_default(tmp_path: Path, broker: Broker) -> None:
-    settings = make_settings(tmp_path, broker)
-    assert settings.metrics.listen.startswith("127.0.0.1:")
+async def test_endpoint_binds_to_localhost_by_default(tmp_path: Path) -> None:
+    """The socket the server actually bound, with the default listen host (on a
+    free port: 9108 may be taken on a shared machine), is loopback only."""
+    default_host, _ = parse_listen(MetricsSettings().listen)
+    listen = f"{default_host}:{free_port()}"
+    server = MetricsServer(Agent(make_settings(tmp_path)), listen)
+    await server.start()
+    try:
+        bound = server.bound_addresses
+        assert bound, "the server bound no socket"
+        assert all(ipaddress.ip_address(host).is_loopback for host, _ in bound), bound
+        assert {port for _, port in bound} == {server.port}
+        # and it answers there
+        status, _, _ = await get(f"{local_url(listen)}/")
+        assert status == 200
+    finally:
+        await server.close()
 
 
 async def test_status_reads_the_running_agent_and_falls_back_to_the_buffer(
@@ -204,3 +224,43 @@ async def test_status_reads_the_running_agent_and_falls_back_to_the_buffer(
     assert text.exit_code == 3
     assert "not running" in text.stdout
     assert "systemctl start iggy-edge" in text.stdout
+
+
+async def test_port_taken_is_logged_without_traceback_and_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds metrics.listen: the HTTP component says so in one
+    line (no traceback, no crash loop) and binds once the port is free."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    agent = Agent(make_settings(tmp_path, metrics={"listen": f"127.0.0.1:{port}"}))
+    with caplog.at_level(logging.ERROR, logger="iggy_edge.httpd"):
+        task = asyncio.create_task(http_endpoint(agent))
+        try:
+            await async_wait_until(
+                lambda: any("cannot serve /metrics" in r.getMessage() for r in caplog.records),
+                10,
+                what="bind failure logged",
+            )
+            assert all(r.exc_info is None for r in caplog.records)
+            assert not task.done()
+            holder.close()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not await _answers(port):
+                assert loop.time() < deadline, "endpoint never bound once the port was free"
+                await asyncio.sleep(0.1)
+        finally:
+            holder.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _answers(port: int) -> bool:
+    try:
+        return (await get(f"http://127.0.0.1:{port}/"))[0] == 200
+    except OSError:
+        return False

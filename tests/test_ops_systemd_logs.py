@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,11 +18,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, setup_logging
-from iggy_edge.runtime import Health
+from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, install_loop_exception_handler, setup_logging
+from iggy_edge.runtime import Health, build_agent
 from iggy_edge.systemd import Notifier, systemd_notify
 
+from tests.support.agent import make_settings
 from tests.support.auth_broker import password_broker
+from tests.support.broker import Broker
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
@@ -51,28 +54,57 @@ async def _recv(sock: socket.socket, timeout: float = 5.0) -> str:
     return data.decode()
 
 
-async def test_ready_watchdog_stopping(tmp_path: Path, notify_socket: socket.socket) -> None:
-    env = {
-        "NOTIFY_SOCKET": str(tmp_path / "notify"),
-        "WATCHDOG_USEC": "200000",
-        "WATCHDOG_PID": str(os.getpid()),
-    }
-    notifier = Notifier(env)
-    assert notifier.watchdog_interval_s == pytest.approx(0.1)
-    agent = _fake_agent()
-    task = asyncio.create_task(systemd_notify(agent, notifier))
-    await asyncio.sleep(0.05)
-    assert not task.done()
-    agent.ready.set()  # READY=1 only once the agent is ready
-    first = await _recv(notify_socket)
-    assert first.splitlines()[0] == "READY=1"
-    assert "STATUS=ingest up, store ok, uplink up, backlog 7 records" in first
-    pings = [await _recv(notify_socket) for _ in range(3)]
-    assert all(p.startswith("WATCHDOG=1\n") for p in pings)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await _recv(notify_socket) == "STOPPING=1"
+async def test_ready_only_once_the_stages_are_up_then_watchdog_then_stopping(
+    tmp_path: Path, notify_socket: socket.socket, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real agent (built like `iggy-edge run` builds it) under a fake
+    systemd: READY=1 is the first message, and what it reports was true when
+    it was sent -- buffer open, MQTT session up -- so a READY sent before the
+    stages were up would fail here (it would say "ingest down")."""
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    settings = make_settings(tmp_path, broker, metrics={"enabled": False})
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    try:
+        first = await _recv(notify_socket, timeout=20)
+        assert first.splitlines()[0] == "READY=1"
+        assert "STATUS=ingest up, store ok, uplink none, backlog 0 records" in first
+        assert agent.ready.is_set()
+        assert agent.health().ingest == "up"
+        pings = [await _recv(notify_socket) for _ in range(3)]
+        assert all(p.startswith("WATCHDOG=1\n") for p in pings)
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 15)
+    rest = []
+    while not rest or rest[-1] != "STOPPING=1":
+        rest.append(await _recv(notify_socket))
+    assert all(r.startswith("WATCHDOG=1\n") for r in rest[:-1])
+
+
+async def test_ready_comes_within_the_bound_when_the_broker_is_away(
+    tmp_path: Path, notify_socket: socket.socket
+) -> None:
+    """No broker at boot: READY=1 still comes (systemd must not kill an agent
+    that drains its backlog), after the bound, and says ingest is down."""
+    settings = make_settings(tmp_path, mqtt={"port": free_port()}, metrics={"enabled": False})
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
+    notify = asyncio.create_task(systemd_notify(agent, notifier, ready_wait_s=0.5))
+    try:
+        ready = await _recv(notify_socket)
+        assert ready.splitlines()[0] == "READY=1"
+        assert "STATUS=ingest down, store ok" in ready
+        assert agent.ready.is_set()
+    finally:
+        notify.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await notify
+        agent.stop()
+        await asyncio.wait_for(task, 15)
 
 
 async def test_abstract_socket_address(notify_socket: socket.socket) -> None:
@@ -129,7 +161,7 @@ def test_json_format_is_one_object_per_line() -> None:
 
 
 def test_redactor_removes_secret_from_message_args_and_traceback() -> None:
-    red = Redactor(["hunter2-secret", "ab"])  # too-short values are not redacted
+    red = Redactor(["hunter2-secret", "ab"])  # short values only where secrets stand
     rec = _record("connect to iggy+tcp://u:%s@host failed", "hunter2-secret")
     assert red.filter(rec)
     assert "hunter2-secret" not in rec.getMessage()
@@ -141,6 +173,67 @@ def test_redactor_removes_secret_from_message_args_and_traceback() -> None:
     red.filter(rec)
     assert "hunter2-secret" not in JsonFormatter().format(rec)
     assert "login failed for password" in JsonFormatter().format(rec)
+
+
+def test_redaction_where_secrets_stand_not_everywhere() -> None:
+    """A short password equal to the user name is redacted in the URL and after
+    `password=`, and every other mention of the user stays readable."""
+    red = Redactor(["agent"], public=["agent", "gw-1"])
+    rec = _record(
+        "user agent: connect to mqtt://agent:agent@127.0.0.1:1883 failed (password=agent); agent retries"
+    )
+    red.filter(rec)
+    assert rec.getMessage() == (
+        f"user agent: connect to mqtt://agent:{REDACTED}@127.0.0.1:1883 failed "
+        f"(password={REDACTED}); agent retries"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("iggy+tcp://u:p4ss@host:8090?tls=true", f"iggy+tcp://u:{REDACTED}@host:8090?tls=true"),
+        ('{"password": "a b c", "user": "u"}', f'{{"password": "{REDACTED}", "user": "u"}}'),
+        ("{'mqtt_password': 'x', 'host': 'h'}", f"{{'mqtt_password': '{REDACTED}', 'host': 'h'}}"),
+        ("token: abc123, next", f"token: {REDACTED}, next"),
+        ("IGGY_PASSWORD=xyz other=1", f"IGGY_PASSWORD={REDACTED} other=1"),
+        ("api-key = k&x=1", f"api-key = {REDACTED}&x=1"),
+        # no secret stands here: nothing is touched
+        ("2 tokens left, http://host/a:b@c, password reset by operator", None),
+        ("the secret sauce", None),
+    ],
+)
+def test_redaction_patterns(line: str, expected: str | None) -> None:
+    rec = _record(line.replace("%", "%%"))
+    Redactor().filter(rec)
+    assert rec.getMessage() == (line if expected is None else expected)
+
+
+def test_long_secret_is_redacted_anywhere_but_not_when_it_is_public() -> None:
+    red = Redactor(["Vai9e-long-secret", "gw-plant-7"], public=["gw-plant-7"])
+    rec = _record("echoed Vai9e-long-secret by a library; gateway gw-plant-7")
+    red.filter(rec)
+    assert rec.getMessage() == f"echoed {REDACTED} by a library; gateway gw-plant-7"
+
+
+async def test_loop_exception_handler_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio's error reports (e.g. accept() out of descriptors) are logged once
+    per kind and interval, with the traceback, not once each."""
+    loop = asyncio.get_running_loop()
+    old = loop.get_exception_handler()
+    install_loop_exception_handler(loop, interval=60)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(1000):
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": OSError(24, "EMFILE")}
+                )
+            loop.call_exception_handler({"message": "another kind"})
+    finally:
+        loop.set_exception_handler(old)
+    records = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.getMessage() for r in records] == ["socket.accept() out of system resource", "another kind"]
+    assert records[0].exc_info is not None
 
 
 def test_setup_logging_rejects_unknown_format() -> None:

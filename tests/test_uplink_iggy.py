@@ -21,18 +21,20 @@ from iggy_edge.records import (
     gateway_hash32,
     make_message_id,
 )
-from iggy_edge.uplink import iggy as iggy_module
 from iggy_edge.uplink.iggy import (
+    CREATE_TOPIC_CODE,
     IggyCommandSink,
     IggyCommandSource,
+    IggyProbe,
     IggyUplink,
-    _Connection,
     classify,
     decode_consumer_offset,
     encode_create_topic,
     encode_get_consumer_offset,
     encode_store_consumer_offset,
 )
+from iggy_edge.uplink.iggy import send as send_module
+from iggy_edge.uplink.iggy.connection import Connection
 from iggy_edge.uplink.partition import partition_for
 from iggy_edge.uplink.protocol import (
     PolledMessage,
@@ -198,7 +200,7 @@ class FakeClient:
 
     async def send_binary_request(self, code: int, payload: bytes) -> bytes:
         self.w.binary_requests.append((code, payload))
-        if code == iggy_module.CREATE_TOPIC_CODE:
+        if code == CREATE_TOPIC_CODE:
             # stream identifier (kind, len, name), partitions u32, name (len, bytes)
             n = payload[1]
             stream = payload[2 : 2 + n].decode()
@@ -225,7 +227,7 @@ class FakeClient:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeWorld:
     # SendMessage is opaque; let the fake see our records instead.
-    monkeypatch.setattr(iggy_module, "_to_send_message", lambda r: r)
+    monkeypatch.setattr(send_module, "_to_send_message", lambda r: r)
     return FakeWorld()
 
 
@@ -265,7 +267,7 @@ async def test_fake_server_without_durability_keys_gets_fsync_options(fake: Fake
     full = encode_create_topic(
         "edge", "telemetry", 3, [("enforce_fsync", "true"), ("messages_required_to_save", "1")]
     )
-    assert fake.binary_requests == [(iggy_module.CREATE_TOPIC_CODE, full)]
+    assert fake.binary_requests == [(CREATE_TOPIC_CODE, full)]
     assert fake.created_topics == [("edge", "telemetry", 3, full[len(bare) :])]
     assert len(fake.clients) == 1  # a refused option is an answer, not a broken connection
 
@@ -338,6 +340,22 @@ async def test_fake_connect_and_login_failures_are_unavailable(fake: FakeWorld) 
         await IggyUplink(fake_settings(password=SecretStr("bad")), GW, client_factory=fake.factory).start()
 
 
+async def test_fake_probe_reads_without_creating_and_reports_login_failures(fake: FakeWorld) -> None:
+    async with IggyProbe(fake_settings(), timeout_s=0.3, client_factory=fake.factory) as probe:
+        assert await probe.topic("edge", "telemetry") is None  # the stream is missing: no topic
+        fake.streams.add("edge")
+        fake.topics[("edge", "telemetry")] = 3
+        found = await probe.topic("edge", "telemetry")
+        assert found is not None
+        assert found.partitions_count == 3
+    assert fake.created_topics == []
+    assert fake.streams == {"edge"}  # a probe creates nothing
+    fake.refuse = True
+    with pytest.raises(UplinkUnavailable, match="cannot connect"):
+        async with IggyProbe(fake_settings(), timeout_s=0.3, client_factory=fake.factory):
+            pass
+
+
 @pytest.mark.iggy
 async def test_send_keeps_ids_headers_order_and_partition_per_key(iggy_server: IggyServer) -> None:
     s = settings_for(iggy_server)
@@ -381,7 +399,7 @@ async def test_create_missing_makes_stream_and_topic_and_tolerates_races(
     ups = [IggyUplink(s, GW, topics=[("edge", "telemetry"), ("edge", "acks")]) for _ in range(3)]
     await asyncio.gather(*(u.start() for u in ups))  # "already exists" is not an error
 
-    conn = _Connection(s, "test admin")
+    conn = Connection(s, "test admin")
     client = await conn.client()
     for name in ("telemetry", "acks"):
         topic = await client.get_topic("edge", name)
@@ -515,7 +533,7 @@ async def test_offset_mirror_is_stored_on_the_server_and_polling_resumes_after_i
     assert [m.offset for m in rest] == [4, 5, 6, 7, 8, 9]
     assert rest[0].payload == b'{"cmd": 4}'
     # The cloud side's view: the server's own "next" for our consumer.
-    conn = _Connection(s, "test cloud")
+    conn = Connection(s, "test cloud")
     client = await conn.client()
     nxt = await client.poll_messages(
         "edge",
@@ -547,7 +565,7 @@ async def test_topics_we_create_keep_confirmed_sends_across_a_kill(iggy_server: 
     s = settings_for(iggy_server, partitions=1)
     up = IggyUplink(s, GW, topics=[("edge", "telemetry")])
     await up.start()
-    conn = _Connection(s, "test admin")
+    conn = Connection(s, "test admin")
     client = await conn.client()
     topic = await client.get_topic("edge", "telemetry")
     assert topic is not None
@@ -613,3 +631,26 @@ async def test_tls_validates_against_the_configured_ca(iggy_tls_server: IggyServ
         with pytest.raises(UplinkUnavailable):
             await IggyUplink(bad, GW).start()
         assert time.monotonic() - t < 5.0
+
+
+@pytest.mark.iggy
+async def test_probe_sees_topics_streams_and_the_user(iggy_server: IggyServer) -> None:
+    s = settings_for(iggy_server)
+    async with IggyProbe(s, timeout_s=5.0) as probe:
+        assert await probe.topic("edge", "telemetry") is None  # nothing created yet
+        up = IggyUplink(s, GW, topics=[("edge", "telemetry")])
+        await up.start()
+        await up.close()
+        topic = await probe.topic("edge", "telemetry")
+        assert topic is not None
+        assert topic.partitions_count == 3
+        stream = await probe.stream("edge")
+        assert stream is not None
+        assert stream.topics_count == 1
+        user = await probe.user(iggy_server.username)
+        assert user is not None
+        assert user.username == iggy_server.username
+    wrong = settings_for(iggy_server, password=SecretStr("wrong"))
+    with pytest.raises(UplinkUnavailable, match="log in"):
+        async with IggyProbe(wrong, timeout_s=5.0):
+            pass

@@ -22,18 +22,20 @@ import contextlib
 import logging
 import time
 
+from .backoff import backoff_delay
 from .config import ForwardSettings
-from .ingest import backoff_delay
 from .logs import RateLimitedLog
 from .metrics import Metrics
-from .store import Outbox
+from .stages import OutboxReader
 from .uplink.protocol import Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
 
 log = logging.getLogger(__name__)
 
 
 class Forwarder:
-    def __init__(self, outbox: Outbox, uplink: Uplink, settings: ForwardSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, outbox: OutboxReader, uplink: Uplink, settings: ForwardSettings, metrics: Metrics
+    ) -> None:
         self._outbox = outbox
         self._uplink = uplink
         self._settings = settings

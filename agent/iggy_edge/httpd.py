@@ -16,6 +16,23 @@ dependency for two read-only routes.  Every connection is bounded: the
 request head must arrive within `REQUEST_TIMEOUT_S` and fit in
 `MAX_REQUEST_BYTES`, and the connection closes after one response.
 
+Bounded under a flood: at most `MAX_CONNECTIONS` connections are open at
+once.  At the cap, a new connection whose request is already there or
+arrives within `HEAD_GRACE_S` (a real scrape sends it right after
+connecting) takes the
+place of the oldest connection still waiting for its request (an idle or
+slow client); a new connection that sends nothing in that time, or finds
+every slot busy answering, is closed unanswered (so is one arriving while
+`MAX_CONNECTIONS` others are in their grace period).  Each is counted
+(``iggy_edge_http_connections_dropped_total{reason}``) and logged,
+rate-limited.  So 1,100 idle local connections cost the agent at most
+`MAX_CONNECTIONS` file descriptors, /health keeps answering, and ingest's
+MQTT reconnects still find descriptors free.
+
+/health names whose figures these are (``gateway``, ``buffer`` path and the
+buffer's ``instance`` id, random per database file) so `iggy-edge status`
+can tell this gateway's agent from another process holding the port.
+
 The endpoint binds to `MetricsSettings.listen` (``127.0.0.1:9108`` by
 default): figures and health are not secret, but a gateway should not offer
 them to its whole network unless the operator says so.
@@ -23,26 +40,40 @@ them to its whole network unless the operator says so.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
+import termios
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from . import __version__
+from .backoff import backoff_delay
+from .config import parse_listen
+from .logs import RateLimitedLog
 
 if TYPE_CHECKING:
     from .runtime import Agent
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
 
 REQUEST_TIMEOUT_S: Final = 5.0
 MAX_REQUEST_BYTES: Final = 8192
+MAX_CONNECTIONS: Final = 64
+# asyncio accepts up to `backlog` connections per loop iteration, each a file
+# descriptor until its handler runs: keep the burst near the cap.
+LISTEN_BACKLOG: Final = MAX_CONNECTIONS
+# At the cap, how long a new connection may take to send its request.
+HEAD_GRACE_S: Final = 0.05
+DROP_REASONS: Final = ("evicted_idle", "refused_idle", "refused_busy")
 REASONS: Final = {
     200: "OK",
     404: "Not Found",
@@ -52,14 +83,6 @@ REASONS: Final = {
 }
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"metrics.listen must be host:port, got {listen!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 def local_url(listen: str) -> str:
     """The URL a local client uses to reach an endpoint bound to `listen`."""
     host, port = parse_listen(listen)
@@ -67,11 +90,26 @@ def local_url(listen: str) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _request_waiting(writer: asyncio.StreamWriter) -> bool:
+    """Whether the client's bytes already wait in the kernel (FIONREAD; the
+    handler runs before the loop first reads the socket).  False when unknown."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    pending = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+    except OSError:
+        return False
+    return pending[0] > 0
+
+
 class _AgentCollector:
     """Figures that only exist at scrape time: build info, start time, health."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, server: MetricsServer) -> None:
         self._agent = agent
+        self._server = server
 
     def collect(self) -> Iterator[Metric]:
         agent = self._agent
@@ -94,6 +132,20 @@ class _AgentCollector:
         parts.add_metric(["store"], 1.0 if health.store == "ok" else 0.0)
         parts.add_metric(["uplink"], 1.0 if health.uplink in ("up", "none") else 0.0)
         yield parts
+        server = self._server
+        yield GaugeMetricFamily(
+            "iggy_edge_http_connections_open",
+            "Open connections to the metrics/health endpoint",
+            value=len(server.open_connections),
+        )
+        dropped = CounterMetricFamily(
+            "iggy_edge_http_connections_dropped",
+            f"Connections closed unanswered because {MAX_CONNECTIONS} were open",
+            labels=["reason"],
+        )
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], server.dropped[reason])
+        yield dropped
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # computed at scrape time; no registration-time collect()
@@ -106,7 +158,13 @@ class MetricsServer:
         self._agent = agent
         self._host, self._port = parse_listen(listen)
         self._server: asyncio.Server | None = None
-        self._collector = _AgentCollector(agent)
+        self._collector = _AgentCollector(agent, self)
+        # Every open connection, and (in arrival order) those still waiting
+        # for their request head: the eviction candidates.
+        self.open_connections: set[asyncio.StreamWriter] = set()
+        self._waiting: dict[asyncio.StreamWriter, None] = {}
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._graced = 0
         agent.metrics.registry.register(self._collector)
 
     @property
@@ -116,9 +174,16 @@ class MetricsServer:
             return self._port
         return int(self._server.sockets[0].getsockname()[1])
 
+    @property
+    def bound_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of every socket the server listens on."""
+        if self._server is None:
+            return []
+        return [(str(a[0]), int(a[1])) for a in (sock.getsockname() for sock in self._server.sockets)]
+
     async def start(self) -> None:
         self._server = await asyncio.start_server(
-            self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES
+            self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES, backlog=LISTEN_BACKLOG
         )
         log.info("metrics and health on http://%s:%d/metrics and /health", self._host, self.port)
 
@@ -131,11 +196,59 @@ class MetricsServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = None
+        if len(self.open_connections) >= MAX_CONNECTIONS and not _request_waiting(writer):
+            # At the cap: only a client that sends its request at once may
+            # take an idle connection's place; at most MAX_CONNECTIONS more
+            # wait for that chance.
+            if self._graced >= MAX_CONNECTIONS:
+                self._drop("refused_idle", writer)
+                return
+            self._graced += 1
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_GRACE_S)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+                self._drop("refused_idle", writer)
+                return
+            finally:
+                self._graced -= 1
+        if len(self.open_connections) >= MAX_CONNECTIONS:
+            victim = next(iter(self._waiting), None)
+            if victim is None:
+                self._drop("refused_busy", writer)
+                return
+            self._drop("evicted_idle", victim)
+        self.open_connections.add(writer)
+        if head is None:
+            self._waiting[writer] = None
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            writer.close()
-            return
+            await self._serve(reader, writer, head)
+        finally:
+            self._waiting.pop(writer, None)
+            self.open_connections.discard(writer)
+
+    def _drop(self, reason: str, writer: asyncio.StreamWriter) -> None:
+        self.dropped[reason] += 1
+        self._waiting.pop(writer, None)
+        self.open_connections.discard(writer)
+        writer.transport.abort()
+        limited.warning(
+            "http-cap",
+            "metrics/health endpoint: %d connections open (the cap); closed one unanswered (%s)",
+            MAX_CONNECTIONS,
+            reason,
+        )
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes | None
+    ) -> None:
+        if head is None:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+                writer.transport.abort()
+                return
+        self._waiting.pop(writer, None)
         try:
             status, ctype, body = self._respond(head)
             method = head.split(b" ", 1)[0]
@@ -168,8 +281,11 @@ class MetricsServer:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._agent.metrics.registry)
         if path == "/health":
             health = self._agent.health()
+            outbox = self._agent.outbox
             doc = health.as_dict() | {
                 "gateway": self._agent.settings.gateway_id,
+                "buffer": str(self._agent.settings.buffer_path.absolute()),
+                "instance": None if outbox is None else str(outbox.epoch),
                 "version": __version__,
                 "uptime_s": round(time.time() - self._agent.metrics.started_at, 1),
             }
@@ -183,9 +299,27 @@ async def http_endpoint(agent: Agent) -> None:
     """runtime.Component: serve /metrics and /health until cancelled."""
     if not agent.settings.metrics.enabled:
         return
-    server = MetricsServer(agent, agent.settings.metrics.listen)
-    await server.start()
-    try:
-        await asyncio.Event().wait()  # until cancelled at shutdown
-    finally:
-        await server.close()
+    attempt = 0
+    while True:
+        server = MetricsServer(agent, agent.settings.metrics.listen)
+        try:
+            await server.start()
+        except OSError as e:
+            # Another process holds the port, or the address is not this
+            # machine's: say so (no traceback), keep the agent running, retry.
+            await server.close()
+            delay = backoff_delay(attempt, 1.0, 60.0)
+            attempt += 1
+            limited.error(
+                "http-bind",
+                "cannot serve /metrics and /health on %s: %s; retrying (in %.0fs)",
+                agent.settings.metrics.listen,
+                e.strerror or e,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            continue
+        try:
+            await asyncio.Event().wait()  # until cancelled at shutdown
+        finally:
+            await server.close()

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import sqlite3
 import time
 import zlib
@@ -62,6 +61,7 @@ import gmqtt
 from . import gmqtt_hooks as hooks
 from . import heap
 from . import mqtt_codec as codec
+from .backoff import backoff_delay
 from .config import Settings
 from .logs import RateLimitedLog
 from .metrics import Metrics
@@ -94,11 +94,6 @@ _ACK_CMD: Final = (0, codec.PUBACK, codec.PUBREC)
 
 class _DeadLetterGroup(asyncio.Future[None]):
     """The commit of a group of dead letters (observers skip these)."""
-
-
-def backoff_delay(attempt: int, base: float, cap: float) -> float:
-    """Capped exponential backoff with full jitter (AWS architecture blog)."""
-    return random.uniform(0, min(cap, base * (2 ** min(attempt, 30))))  # noqa: S311 - jitter, not crypto
 
 
 class Ingest:

@@ -7,12 +7,14 @@ metrics, not in logs.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 REDACTED: Final = "**********"
 
@@ -24,7 +26,9 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+    def log(
+        self, level: int, key: str, msg: str, *args: object, exc_info: BaseException | None = None
+    ) -> None:
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
@@ -35,9 +39,9 @@ class RateLimitedLog:
             self._last = {key: now}
         suppressed = self._suppressed.pop(key, 0)
         if suppressed:
-            self._logger.log(level, msg + " (%d similar suppressed)", *args, suppressed)
+            self._logger.log(level, msg + " (%d similar suppressed)", *args, suppressed, exc_info=exc_info)
         else:
-            self._logger.log(level, msg, *args)
+            self._logger.log(level, msg, *args, exc_info=exc_info)
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, key, msg, *args)
@@ -46,39 +50,100 @@ class RateLimitedLog:
         self.log(logging.ERROR, key, msg, *args)
 
 
+# Where a secret stands in text, whatever its value: the password of a URL's
+# userinfo (scheme://user:PASSWORD@host), and the value after a secret-named
+# key (password=..., "token": "...", api_key: ...).
+_URL_PASSWORD = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<secret>[^@\s/]+)(?=@)")
+# Names of keys whose value is a secret (not secrets themselves).
+_SECRET_KEY_NAMES = "|".join(
+    [
+        *("password", "passwd", "passphrase", "pwd", "secret", "token"),
+        *(r"api[_-]?key", r"access[_-]?key", r"private[_-]?key", r"auth[_-]?token"),
+    ]
+)
+_KEY_VALUE = re.compile(
+    rf"""(?P<pre>(?P<q>["']?)\b(?:[A-Za-z0-9_-]*[_-])?(?:{_SECRET_KEY_NAMES})(?P=q)\s*[=:]\s*)"""
+    r"""(?P<secret>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^\s,;&}\])]+)""",
+    re.IGNORECASE,
+)
+# A known secret value is also replaced wherever it appears, but only when it
+# is long enough not to be an ordinary word and shares nothing with a public
+# value (a user name, the gateway id): a password equal to the user name must
+# not blank every mention of the user.
+MIN_FREE_SECRET: Final = 8
+
+
+def _keep_quotes(secret: str) -> str:
+    if len(secret) >= 2 and secret[0] == secret[-1] and secret[0] in "\"'":
+        return secret[0] + REDACTED + secret[0]
+    return REDACTED
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """`text` with secrets replaced where secrets stand (see `Redactor`)."""
+    if "://" in text:
+        text = _URL_PASSWORD.sub(lambda m: m["pre"] + REDACTED, text)
+    text = _KEY_VALUE.sub(
+        lambda m: m["pre"] + (m["secret"] if REDACTED in m["secret"] else _keep_quotes(m["secret"])), text
+    )
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def install_loop_exception_handler(loop: asyncio.AbstractEventLoop, interval: float = 30.0) -> None:
+    """Route asyncio's own error reports (an accept() that ran out of file
+    descriptors, a callback that raised) through a `RateLimitedLog`: each kind
+    (message and exception type) at most once per `interval`, with its
+    traceback and the number suppressed.  asyncio's default handler logs every
+    one with a traceback: a descriptor flood wrote thousands of lines."""
+    limited = RateLimitedLog(logging.getLogger("asyncio"), interval)
+
+    def handler(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        message = str(context.get("message") or "unhandled error in the event loop")
+        key = f"{message}|{type(exc).__name__ if exc else ''}"
+        limited.log(
+            logging.ERROR, key, "%s", message, exc_info=exc if isinstance(exc, BaseException) else None
+        )
+
+    loop.set_exception_handler(handler)
+
+
 class Redactor(logging.Filter):
-    """Replaces known secret values in a record's rendered message.
+    """Replaces secrets in a record's rendered message and traceback.
 
     The first line of defence is that secrets are `SecretStr` everywhere (they
     print as ``**********``); this filter is the second, for a secret that
     reaches a message some other way (an exception text quoting a URL, a
-    library that echoes credentials).  It renders the message once, replaces
-    every registered value, and freezes the result into the record.
+    library that echoes credentials).  It redacts where secrets stand -- a
+    URL's userinfo password, the value of a secret-named key (``password=``,
+    ``"token": ``) -- and the registered secret values themselves when they
+    are at least MIN_FREE_SECRET characters and overlap no `public` value
+    (user names, gateway id).  It renders the message once and freezes the
+    result into the record.
     """
 
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
+    def __init__(self, secrets: Iterable[str] = (), public: Iterable[str | None] = ()) -> None:
         super().__init__()
-        # Short values would redact ordinary words; a 1-3 character password is
-        # its own problem (doctor warns about it).
-        self._secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+        shown = [p for p in public if p]
+        self._secrets = sorted(
+            {s for s in secrets if len(s) >= MIN_FREE_SECRET and not any(s in p or p in s for p in shown)},
+            key=len,
+            reverse=True,
+        )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self._secrets:
-            return True
         msg = record.getMessage()
         text = record.exc_text or ""
         if record.exc_info and not text:
             text = logging.Formatter().formatException(record.exc_info)
-        hit = False
-        for secret in self._secrets:
-            if secret in msg or secret in text:
-                hit = True
-                msg = msg.replace(secret, REDACTED)
-                text = text.replace(secret, REDACTED)
-        if hit:
-            record.msg, record.args = msg, None
-            if text:
-                record.exc_text, record.exc_info = text, None
+        new_msg = redact(msg, self._secrets)
+        new_text = redact(text, self._secrets) if text else text
+        if new_msg != msg:
+            record.msg, record.args = new_msg, None
+        if new_text != text:
+            record.exc_text, record.exc_info = new_text, None
         return True
 
 
@@ -116,11 +181,16 @@ class _OneLineFormatter(logging.Formatter):
         return super().format(record).replace("\n", " | ")
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -> None:
+def setup_logging(
+    level: str = "INFO",
+    fmt: str = "text",
+    secrets: Iterable[str] = (),
+    public: Iterable[str | None] = (),
+) -> None:
     """One event per line on stderr (journald adds its own timestamps).
 
     `fmt` is "text" or "json"; `secrets` are values that must never appear
-    in a log line (see `Redactor`).
+    in a log line, `public` values that may (user names; see `Redactor`).
     """
     handler = logging.StreamHandler()
     if fmt == "json":
@@ -129,7 +199,7 @@ def setup_logging(level: str = "INFO", fmt: str = "text", secrets: Iterable[str]
         handler.setFormatter(_OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     else:
         raise ValueError(f"unknown log format {fmt!r} (text or json)")
-    handler.addFilter(Redactor(secrets))
+    handler.addFilter(Redactor(secrets, public))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -1,5 +1,22 @@
 """Wires the stages together and owns their life cycle.
 
+`build_agent(settings)` is the one place the whole agent is put together
+from its configuration: the uplink and command source `[iggy] kind` asks
+for (uplink/factory.py) and the stages below.  `iggy-edge run`, the demo
+and the tests start an agent through it.
+
+=============  ==========================  ===================================
+stage          file                        meets the others at (stages.py)
+=============  ==========================  ===================================
+ingest         ingest.py                   Outbox.submit; `IngestObserver`
+route          routing.py                  pure: Router.route
+outbox         store.py                    `OutboxReader`, `DeadLetterSink`
+forward        forward.py                  `OutboxReader` -> `Uplink`
+return path    downlink/ (component.py)    `ReturnPathHost`, `CommandSource`
+metrics/health httpd.py, metrics.py        Agent.health(), Metrics
+systemd        systemd.py                  Agent.ready, Agent.wait_up()
+=============  ==========================  ===================================
+
 One asyncio loop, one task group.  The stages are supervised: a stage that
 fails unexpectedly is logged with its traceback and restarted with backoff
 (this is the one place `except Exception` is allowed); an orderly stop
@@ -15,14 +32,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from .backoff import backoff_delay
 from .config import Settings
+from .downlink import return_path
 from .forward import Forwarder
-from .ingest import Ingest, backoff_delay
+from .httpd import http_endpoint
+from .ingest import Ingest
 from .metrics import Metrics
 from .routing import Router
+from .stages import DeadLetterSink, IngestObserver
 from .store import Outbox
+from .systemd import systemd_notify
+from .uplink.factory import make_command_source, make_uplink
 from .uplink.protocol import CommandSource, Uplink
 
 log = logging.getLogger(__name__)
@@ -33,6 +56,10 @@ EXPIRE_INTERVAL_S = 60.0
 
 @dataclass(frozen=True)
 class Health:
+    """What /health, `status` and systemd's status line report.  A new part
+    is a new field (with a default, so older constructors keep working):
+    `as_dict` and the JSON follow the fields."""
+
     healthy: bool
     ingest: str
     store: str
@@ -41,19 +68,38 @@ class Health:
     mqtt_sessions_lost: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "healthy": self.healthy,
-            "ingest": self.ingest,
-            "store": self.store,
-            "uplink": self.uplink,
-            "mqtt_sessions_lost": self.mqtt_sessions_lost,
-        }
+        return asdict(self)
 
 
-# Extra long-running components (return path, HTTP endpoint) register here:
-# each is called with the running Agent and returns a coroutine that runs
-# until cancelled.
+# Long-running components beside the stages (return path, HTTP endpoint,
+# systemd notification): each is called with the running Agent and returns a
+# coroutine that runs until cancelled.
 Component = Callable[["Agent"], Awaitable[None]]
+
+# What build_agent runs beside the stages; each returns at once when its
+# settings turn it off (metrics.enabled, no $NOTIFY_SOCKET, no command source).
+COMPONENTS: tuple[Component, ...] = (http_endpoint, systemd_notify, return_path)
+
+
+def build_agent(
+    settings: Settings,
+    *,
+    uplink: Uplink | None = None,
+    command_source: CommandSource | None = None,
+    metrics: Metrics | None = None,
+    shutdown_timeout_s: float = 10.0,
+) -> Agent:
+    """The whole agent from its settings.  `uplink` and `command_source`
+    default to what ``[iggy] kind`` asks for; tests and benchmarks pass their
+    own (a MemoryIggy's, a real server's)."""
+    return Agent(
+        settings,
+        uplink=uplink if uplink is not None else make_uplink(settings),
+        command_source=command_source if command_source is not None else make_command_source(settings),
+        metrics=metrics,
+        components=COMPONENTS,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
 
 
 class Agent:
@@ -82,6 +128,39 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def dead_letters(self) -> DeadLetterSink:
+        """The outbox's dead-letter table (stages.ReturnPathHost)."""
+        if self.outbox is None:
+            raise RuntimeError("the outbox is not open yet")
+        return self.outbox
+
+    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
+        """See every committed ingest message until the returned function is
+        called (stages.ReturnPathHost)."""
+        if self.ingest is None:
+            raise RuntimeError("ingest is not built yet")
+        observers = self.ingest.observers
+        observers.append(observer)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                observers.remove(observer)
+
+        return remove
+
+    async def wait_up(self, timeout: float) -> bool:
+        """Wait until the outbox is open, the stages run and ingest has its
+        MQTT session: True, or False when `timeout` passed first (the broker
+        is away; ingest keeps retrying)."""
+        await self.ready.wait()
+        assert self.ingest is not None
+        try:
+            await asyncio.wait_for(self.ingest.connected.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def health(self) -> Health:
         ingest = "up" if self.ingest is not None and self.ingest.connected.is_set() else "down"

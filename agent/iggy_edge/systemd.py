@@ -4,9 +4,13 @@ The sd_notify protocol is one datagram per message on the unix socket named
 by ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract namespace), so a
 few lines replace libsystemd:
 
-* ``READY=1`` once the agent has opened its buffer and started its stages
-  (`Agent.ready`), so ``systemctl start`` returns only when the agent runs
-  and units ordered after it see a working gateway;
+* ``READY=1`` once the agent has opened its buffer, started its stages and
+  ingest has its MQTT session (`Agent.wait_up`), so ``systemctl start``
+  returns only when the agent runs and units ordered after it see a working
+  gateway.  A broker that is away at boot delays READY by at most
+  `READY_WAIT_S` (then the status line says "ingest down"): well inside the
+  unit's TimeoutStartSec=60, so systemd never kills an agent that is
+  draining its backlog only because the broker is late;
 * ``WATCHDOG=1`` every half of ``$WATCHDOG_USEC`` from a task on the agent's
   event loop: if the loop wedges (a blocking call, a deadlock), the pings
   stop and systemd restarts the service after ``WatchdogSec``;
@@ -23,12 +27,14 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from .runtime import Agent
 
 log = logging.getLogger(__name__)
+
+READY_WAIT_S: Final = 20.0
 
 
 class Notifier:
@@ -66,16 +72,20 @@ def _status_line(agent: Agent) -> str:
     return f"STATUS=ingest {h.ingest}, store {h.store}, uplink {h.uplink}, backlog {backlog} records"
 
 
-async def systemd_notify(agent: Agent, notifier: Notifier | None = None) -> None:
-    """runtime.Component: READY=1 once the agent is ready, then watchdog pings
-    (and a status line) until cancelled, then STOPPING=1."""
+async def systemd_notify(
+    agent: Agent, notifier: Notifier | None = None, *, ready_wait_s: float = READY_WAIT_S
+) -> None:
+    """runtime.Component: READY=1 once the stages are up (or after
+    `ready_wait_s` without an MQTT session), then watchdog pings (and a
+    status line) until cancelled, then STOPPING=1."""
     n = notifier or Notifier()
     if not n.enabled:
         return
-    await agent.ready.wait()
+    up = await agent.wait_up(ready_wait_s)
     n.notify("READY=1", _status_line(agent))
     log.info(
-        "told systemd we are ready%s",
+        "told systemd we are ready%s%s",
+        "" if up else f" (no MQTT session after {ready_wait_s:.0f}s; ingest keeps trying)",
         f"; watchdog ping every {n.watchdog_interval_s:.1f}s" if n.watchdog_interval_s else "",
     )
     interval = n.watchdog_interval_s or 10.0

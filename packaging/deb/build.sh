@@ -62,12 +62,12 @@ self_wheel=$(ls "$work"/self/iggy_edge-*.whl)
 cp "$self_wheel" "$wheels/"
 
 # Dependencies as wheels for the target: every manylinux tag glibc 2.36
-# (Debian 12) can run.
+# (Debian 12) can run, at the versions CI tested (constraints.txt).
 platforms=(--platform "manylinux2014_$machine")
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_$machine"); done
 for pyver in $pythons; do
   "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
-    --python-version "$pyver" "${platforms[@]}" -d "$wheels" "$self_wheel"
+    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "$self_wheel"
 done
 echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
 
@@ -76,6 +76,7 @@ install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/system
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
+install -D -m 0644 "$repo/docs/config.md" "$root/usr/share/doc/iggy-edge/config.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
 mkdir -p "$root/usr/bin"
 ln -s /opt/iggy-edge/venv/bin/iggy-edge "$root/usr/bin/iggy-edge"

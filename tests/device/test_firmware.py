@@ -24,6 +24,7 @@ from tests.support.micropython import (
     mqtt_publish,
     require_micropython,
 )
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.micropython
 
@@ -66,6 +67,17 @@ def _config(broker: Broker, device_id: str, **extra: Any) -> dict[str, Any]:
         "wdt_ms": 5000,
         **extra,
     }
+
+
+# What the library prints once it is connected and subscribed (umqtt.simple's
+# subscribe() returns after the SUBACK).
+CONNECTED = "[iggy] connected to"
+
+
+def _wait_console(board: Board, text: str, count: int, what: str, timeout: float = 20) -> None:
+    """Until the board's console shows `text` `count` times (an event the
+    firmware prints), instead of sleeping through its boot."""
+    wait_until(lambda: board.console().count(text) >= count, timeout, what=what)
 
 
 def _outage(broker: Broker, flash: Flash, log: MqttLog, dev: str, seconds: float) -> None:
@@ -203,7 +215,7 @@ def test_actuator_executes_a_command_once_and_acks_redeliveries(
 
     try:
         log.wait_for(lambda m: ("edge/" + dev + "/status", "online") in m.messages(), 20, "online")
-        time.sleep(0.3)  # subscriptions are made right after the online message
+        _wait_console(board, CONNECTED, 1, "subscribed")
         on = {"id": "c-1", "name": "set_relay", "args": {"on": True}, "expires_at": None}
         first = send(on, 1)
         assert first["id"] == "c-1"
@@ -233,7 +245,7 @@ def test_actuator_executes_a_command_once_and_acks_redeliveries(
         pins_before = len(flash.pins())
         board.start()
         log.wait_for(lambda m: [p for t, p in m.messages("/status")].count("online") >= 2, 20, "reboot")
-        time.sleep(0.3)
+        _wait_console(board, CONNECTED, 2, "subscribed again")
         assert send(on, 7) == first
         after = flash.pins()[pins_before:]
         assert after == [("26", 1), ("2", 0)]  # only the restore at boot
@@ -298,9 +310,8 @@ def test_retained_config_is_applied_persisted_and_reapplied_at_boot(
     assert json.loads(flash.text("data/desired.json")) == {"period_ms": 150}
     broker.stop()  # next boot has no broker: the persisted copy still applies
     board.start()
-    time.sleep(0.5)
+    _wait_console(board, "config: period_ms -> 150", 2, "the persisted config applied at boot")
     board.stop()
-    assert board.console().count("config: period_ms -> 150") == 2
 
 
 def test_wifi_away_then_back_buffers_and_backs_off(
@@ -313,7 +324,7 @@ def test_wifi_away_then_back_buffers_and_backs_off(
     flash.path("_hw_wifi_down").write_text("")  # no access point
     board = Board(flash).start()
     try:
-        time.sleep(1.5)
+        _wait_console(board, "wifi connect failed", 3, "three failed WiFi attempts")
         assert log.json("/up/env") == []
         flash.path("_hw_wifi_down").unlink()
         log.wait_for(lambda m: len(m.json("/up/env")) >= 40, 20, "readings after WiFi returns")

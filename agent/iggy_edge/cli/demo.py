@@ -24,9 +24,10 @@ import typer
 from ..config import ConfigError, Settings, parse_config
 from ..logs import setup_logging
 from ..metrics import DEAD_LETTER_REASONS
+from ..runtime import build_agent
 from ..simulate import SimulatedSensor
 from .common import fail
-from .run import build_agent, run_agent
+from .run import run_agent
 
 
 def _free_port() -> int:
@@ -119,9 +120,10 @@ def demo(
 async def _demo(settings: Settings, host: str, port: int, n: int, rate: float, duration: float) -> None:
     agent = build_agent(settings)
     agent_task = asyncio.create_task(run_agent(agent))
-    await agent.ready.wait()
-    assert agent.ingest is not None
-    await asyncio.wait_for(agent.ingest.connected.wait(), 30)
+    if not await agent.wait_up(30):
+        agent.stop()
+        await agent_task
+        raise fail(f"the agent has no MQTT session with {host}:{port} after 30 s")
     stop = asyncio.Event()
     fleet = [SimulatedSensor(f"sensor-{i:02d}", rate_hz=rate) for i in range(n)]
     sims = [asyncio.create_task(s.run(host, port, stop)) for s in fleet]

@@ -45,7 +45,7 @@ from ..config import ConfigError, Settings, load_config
 from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
-from ..uplink.iggy import _Connection
+from ..uplink.iggy import IggyProbe
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
 
@@ -263,12 +263,10 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
                 "buffering meanwhile",
             )
         ]
-    conn = _Connection(
-        s.model_copy(update={"connect_timeout_s": timeout, "request_timeout_s": timeout}), "doctor"
-    )
+    probe = IggyProbe(s, timeout_s=timeout)
     try:
         try:
-            client = await conn.client()
+            await probe.login()
         except UplinkError as e:
             text = str(e).lower()
             if "credential" in text or "unauthenticated" in text or "invalid" in text or "password" in text:
@@ -282,13 +280,13 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
                 fix = "is it an Iggy TCP endpoint (default port 8090)? does the server need TLS (IGGY_TLS)?"
             return [Check("iggy", "fail", f"login to {s.address} as {s.username!r} failed: {e}", fix)]
         checks = [Check("iggy", "ok", f"{s.address}: logged in as {s.username!r}")]
-        checks.append(await _iggy_permissions(settings, conn, client))
+        checks.append(await _iggy_permissions(settings, probe))
         return checks
     finally:
-        await conn.close()
+        await probe.close()
 
 
-async def _iggy_permissions(settings: Settings, conn: Any, client: Any) -> Check:
+async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
     """Which streams/topics exist, and whether the user may send, create and poll."""
     s = settings.iggy
     send_to = sorted({(r.stream, r.topic) for r in settings.routes})
@@ -299,9 +297,9 @@ async def _iggy_permissions(settings: Settings, conn: Any, client: Any) -> Check
     missing: list[str] = []
     try:
         for stream, topic in send_to + poll_from:
-            if await conn.call(f"get topic {stream}/{topic}", client.get_topic(stream, topic)) is None:
+            if await probe.topic(stream, topic) is None:
                 missing.append(f"{stream}/{topic}")
-        user = await conn.call("get user", client.get_user(s.username))
+        user = await probe.user(s.username)
     except UplinkError as e:
         return Check(
             "iggy permissions",
@@ -331,7 +329,7 @@ async def _iggy_permissions(settings: Settings, conn: Any, client: Any) -> Check
     needs: list[str] = []
 
     async def stream_perm(stream: str) -> Any:
-        details = await conn.call(f"get stream {stream}", client.get_stream(stream))
+        details = await probe.stream(stream)
         return None if details is None else streams.get(details.id)
 
     for stream, _topic in send_to:

@@ -6,33 +6,17 @@ import asyncio
 import logging
 import signal
 
-from ..config import Settings
-from ..downlink import return_path
-from ..httpd import http_endpoint
-from ..logs import setup_logging
-from ..runtime import Agent, Component
-from ..systemd import systemd_notify
-from ..uplink.factory import make_command_source, make_uplink
+from ..logs import install_loop_exception_handler, setup_logging
+from ..runtime import Agent, build_agent
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
 log = logging.getLogger("iggy_edge")
 
-# Components that run beside the stages (HTTP metrics/health, return path)
-# register themselves here; see runtime.Component.
-EXTRA_COMPONENTS: list[Component] = [http_endpoint, systemd_notify, return_path]
-
-
-def build_agent(settings: Settings) -> Agent:
-    return Agent(
-        settings,
-        uplink=make_uplink(settings),
-        command_source=make_command_source(settings),
-        components=tuple(EXTRA_COMPONENTS),
-    )
-
 
 async def run_agent(agent: Agent) -> None:
+    """Run `agent` until SIGTERM / SIGINT (which stop it in order)."""
     loop = asyncio.get_running_loop()
+    install_loop_exception_handler(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stop)
     try:
@@ -46,6 +30,7 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     """Run the agent: MQTT in, SQLite store-and-forward, batched Iggy out. Stops cleanly on SIGTERM."""
     settings = load_or_exit(config)
     secrets = [p.get_secret_value() for p in (settings.mqtt.password, settings.iggy.password) if p]
-    setup_logging(settings.logging.level, settings.logging.format, secrets)
+    public = [settings.mqtt.username, settings.iggy.username, settings.gateway_id, settings.mqtt_client_id]
+    setup_logging(settings.logging.level, settings.logging.format, secrets, public)
     log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
     asyncio.run(run_agent(build_agent(settings)))

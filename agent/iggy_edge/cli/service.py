@@ -79,6 +79,10 @@ TimeoutStartSec=60
 # the buffer within its 10 s shutdown timeout; this leaves room for that.
 TimeoutStopSec=30
 KillMode=mixed
+# File descriptors: the agent needs a few dozen (SQLite, two MQTT clients,
+# Iggy, at most 64 HTTP connections -- the endpoint caps itself); the
+# headroom keeps a flood of local connections from starving MQTT reconnects.
+LimitNOFILE=8192
 
 # --- Sandboxing (check with: systemd-analyze security iggy-edge) ------------
 NoNewPrivileges=yes

@@ -4,13 +4,25 @@ The figures are the ones Prometheus scrapes (one source of truth).  When no
 agent answers, the buffer is read from SQLite instead, so an operator still
 sees the backlog of a stopped agent.
 
+The endpoint must be this gateway's: /health names the gateway, the buffer
+path and the buffer's instance id (random per database file), and status
+compares them with its config and the database, so another process holding
+the port (or another gateway's agent) is reported as not ours, never as a
+healthy agent.
+
+With stdout not a terminal (a pipe, a file, cron) there is no live view:
+status prints one snapshot, as with --once.
+
 Exit status (for scripts): 0 running and healthy, 1 running but unhealthy,
-3 not running (as `systemctl status`).
+3 not running (as `systemctl status`), 4 something else answers at the
+endpoint (not this gateway's agent).
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,12 +36,18 @@ from rich.live import Live
 from rich.table import Table
 
 from ..buffer_admin import read_stats
+from ..config import Settings
 from ..httpd import local_url
 from ..store import StoreError
 from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
 
 EXIT_UNHEALTHY = 1
 EXIT_NOT_RUNNING = 3
+EXIT_NOT_OURS = 4
+
+
+class NotOurs(Exception):
+    """What answers at the endpoint is not this gateway's agent."""
 
 
 @dataclass
@@ -63,16 +81,57 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, dict[str, floa
     return plain, labelled
 
 
-def scrape(base_url: str, timeout: float = 3.0) -> Snapshot:
-    """Read /metrics and /health; raises OSError when nothing answers."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as resp:  # noqa: S310 - http URL
-        text = resp.read().decode("utf-8")
+def read_instance(path: Any) -> str | None:
+    """The buffer database's instance id (its `epoch`), None when unreadable."""
     try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout) as resp:  # noqa: S310
-            health, healthy = json.loads(resp.read()), True
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
+    except sqlite3.Error:
+        return None
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    return None if row is None else str(row[0])
+
+
+def identity_problem(health: Any, settings: Settings, instance: str | None) -> str | None:
+    """Why the /health document is not this gateway's agent, or None."""
+    if not isinstance(health, dict) or "gateway" not in health or "buffer" not in health:
+        return "it is not an iggy-edge agent (its /health names no gateway and buffer)"
+    if health["gateway"] != settings.gateway_id:
+        return f"it is gateway {health['gateway']!r}, this config is {settings.gateway_id!r}"
+    ours = str(settings.buffer_path.absolute())
+    if health["buffer"] != ours:
+        return f"its buffer is {health['buffer']!r}, this config's is {ours!r}"
+    if instance is not None and health.get("instance") not in (None, instance):
+        return f"its buffer instance is {health.get('instance')!r}, the file at {ours} is {instance!r}"
+    return None
+
+
+def scrape(base_url: str, settings: Settings | None = None, timeout: float = 3.0) -> Snapshot:
+    """Read /health, check it is `settings`' agent (raises NotOurs), then
+    /metrics; raises OSError when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout) as resp:  # noqa: S310 - http URL
+            body, healthy = resp.read(), True
     except urllib.error.HTTPError as e:  # 503 carries the same JSON
-        health, healthy = json.loads(e.read() or b"{}"), False
-    plain, labelled = parse_metrics(text)
+        body, healthy = e.read() or b"{}", False
+    try:
+        health = json.loads(body)
+    except ValueError:
+        raise NotOurs("it is not an iggy-edge agent (/health is not JSON)") from None
+    if settings is not None:
+        problem = identity_problem(health, settings, read_instance(settings.buffer_path))
+        if problem:
+            raise NotOurs(problem)
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as resp:  # noqa: S310
+        text = resp.read().decode("utf-8", "replace")
+    try:
+        plain, labelled = parse_metrics(text)
+    except ValueError as e:
+        raise NotOurs(f"its /metrics is not Prometheus text ({e})") from None
     return Snapshot(time.monotonic(), plain, labelled, health, healthy)
 
 
@@ -191,11 +250,14 @@ def status(
         url = local_url(settings.metrics.listen)
     url = url.rstrip("/")
     try:
-        snap = scrape(url)
-    except (OSError, ValueError) as e:
+        snap = scrape(url, settings)
+    except NotOurs as e:
+        _not_ours(url, str(e), as_json)
+        raise typer.Exit(EXIT_NOT_OURS) from None
+    except OSError as e:
         _not_running(settings.buffer_path, url, e, as_json)
         raise typer.Exit(EXIT_NOT_RUNNING) from None
-    if as_json or once:
+    if as_json or once or not sys.stdout.isatty():
         f = figures(snap)
         if as_json:
             typer.echo(json.dumps(f | {"agent": "running", "url": url}))
@@ -208,14 +270,22 @@ def status(
             while True:
                 time.sleep(interval)
                 try:
-                    snap = scrape(url)
-                except (OSError, ValueError) as e:
+                    snap = scrape(url, settings)
+                except (OSError, NotOurs) as e:
                     live.update(Table(title=f"[red]agent stopped answering at {url}: {e}[/]"), refresh=True)
                     continue
                 live.update(render(figures(snap, prev), url), refresh=True)
                 prev = snap
     except KeyboardInterrupt:
         pass
+
+
+def _not_ours(url: str, why: str, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({"agent": "not ours", "url": url, "error": why}))
+        return
+    typer.secho(f"agent: something else answers at {url}: {why}", fg=typer.colors.RED)
+    typer.echo("       is another process holding metrics.listen? (ss -ltnp; journalctl -u iggy-edge)")
 
 
 def _not_running(path: Any, url: str, error: Exception, as_json: bool) -> None:

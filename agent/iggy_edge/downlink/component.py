@@ -1,10 +1,12 @@
 """The return path as one runtime component: return poll + deliver + acks.
 
-`downlink_component(agent)` is registered in cli/run.py's EXTRA_COMPONENTS.
-It opens the inbox (the agent's buffer database, own connection), registers
-an ingest observer for device acks, and runs the three tasks in one task
-group until cancelled.  Without a command source (``[iggy] kind`` "none" or
-"file", or ``downlink.enabled = false``) it logs that and returns.
+`return_path(host)` is one of runtime.COMPONENTS.  It sees the agent only
+as a `stages.ReturnPathHost` (settings, metrics, the command source, the
+dead-letter sink, ingest's committed messages).  It opens the inbox (the
+agent's buffer database, own connection), registers an ingest observer for
+device acks, and runs its tasks in one task group until cancelled.  Without
+a command source (``[iggy] kind`` "none" or "file", or
+``downlink.enabled = false``) it logs that and returns.
 """
 
 from __future__ import annotations
@@ -12,20 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..routing import topic_matches
-from ..uplink.protocol import UplinkError
+from ..stages import ReturnPathHost
+from ..uplink.protocol import CommandSource, UplinkError
 from .commands import parse_ack
 from .deliver import Deliverer
 from .inbox import Inbox
 from .poll import ReturnPoll
-
-if TYPE_CHECKING:
-    from ..runtime import Agent
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,13 @@ class AckListener:
 
 
 class Downlink:
-    def __init__(self, agent: Agent, inbox: Inbox) -> None:
-        assert agent.outbox is not None
-        assert agent.command_source is not None
-        s = agent.settings
+    def __init__(self, host: ReturnPathHost, source: CommandSource, inbox: Inbox) -> None:
+        s = host.settings
         self.inbox = inbox
-        self.deliverer = Deliverer(s, inbox, agent.metrics)
-        self.acks = AckListener(s, inbox, agent.metrics)
+        self.deliverer = Deliverer(s, inbox, host.metrics)
+        self.acks = AckListener(s, inbox, host.metrics)
         self.poll = ReturnPoll(
-            s, agent.command_source, inbox, agent.outbox, agent.metrics, on_stored=self.deliverer.wake
+            s, source, inbox, host.dead_letters, host.metrics, on_stored=self.deliverer.wake
         )
 
     async def run(self) -> None:
@@ -93,21 +91,19 @@ class Downlink:
             await asyncio.sleep(PRUNE_INTERVAL_S)
 
 
-async def return_path(agent: Agent) -> None:
+async def return_path(host: ReturnPathHost) -> None:
     """Runtime component (see runtime.Component): the whole return path."""
-    if agent.command_source is None:
-        log.info("return path off: no command source (iggy kind %r)", agent.settings.iggy.kind)
+    source = host.command_source
+    if source is None:
+        log.info("return path off: no command source (iggy kind %r)", host.settings.iggy.kind)
         return
-    assert agent.outbox is not None
-    assert agent.ingest is not None
-    inbox = await Inbox.open(agent.settings.buffer_path, agent.settings)
-    component = Downlink(agent, inbox)
-    agent.ingest.observers.append(component.acks.observe)
+    inbox = await Inbox.open(host.settings.buffer_path, host.settings)
+    component = Downlink(host, source, inbox)
+    stop_observing = host.observe_ingest(component.acks.observe)
     try:
         await component.run()
     finally:
-        with contextlib.suppress(ValueError):
-            agent.ingest.observers.remove(component.acks.observe)
+        stop_observing()
         await inbox.close()
         with contextlib.suppress(UplinkError, RuntimeError, OSError):  # closing must not mask the exit
-            await agent.command_source.close()
+            await source.close()

@@ -45,8 +45,8 @@ import gmqtt
 from gmqtt.storage import PersistentStorage
 
 from .. import gmqtt_hooks as hooks
+from ..backoff import backoff_delay
 from ..config import Settings
-from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqtt_codec import REFUSED

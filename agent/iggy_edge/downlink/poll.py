@@ -11,7 +11,7 @@
 * A payload that is not a valid command/config is dead-lettered (reason
   ``invalid_command``) and its offset is consumed like any other, so one bad
   message cannot block a partition.  The dead letter is committed first, on
-  the outbox's connection; a crash before the offset commit re-reads the
+  the outbox's connection (the `DeadLetterSink` it is given); a crash before the offset commit re-reads the
   message and may dead-letter it a second time (never loses it).
 * Backpressure: when `max_inbox` commands wait for delivery, command
   partitions are not polled; the commands stay in Iggy and the pause is
@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from ..backoff import backoff_delay
 from ..config import Settings
-from ..ingest import backoff_delay
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
-from ..store import Outbox
+from ..stages import DeadLetterSink
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
     Command,
@@ -71,7 +71,7 @@ class ReturnPoll:
         settings: Settings,
         source: CommandSource,
         inbox: Inbox,
-        outbox: Outbox,
+        dead_letters: DeadLetterSink,
         metrics: Metrics,
         *,
         on_stored: Callable[[], None] = lambda: None,
@@ -80,7 +80,7 @@ class ReturnPoll:
         self._dl = settings.downlink
         self._source = source
         self._inbox = inbox
-        self._outbox = outbox
+        self._dead_letters = dead_letters
         self._metrics = metrics
         self._on_stored = on_stored
         self._limited = RateLimitedLog(log)
@@ -229,7 +229,7 @@ class ReturnPoll:
     async def _dead_letter(self, part: _Partition, m: PolledMessage, detail: str) -> None:
         # A StoreError here propagates: the offset is not advanced and the
         # supervisor restarts the return path.
-        await self._outbox.dead_letter(
+        await self._dead_letters.dead_letter(
             mqtt_topic=f"iggy:{part.stream}/{part.source(m.offset)}",
             payload=m.payload,
             qos=1,

@@ -1,0 +1,87 @@
+"""The interfaces the stages meet at.
+
+`runtime.build_agent` wires the stages together; each stage sees of the
+others only what it names here, so a stage can be tested against a small
+stand-in and the outbox can change shape behind these methods:
+
+=================  ==========================  ==============================
+interface          implemented by              used by
+=================  ==========================  ==============================
+`OutboxReader`     store.Outbox                forward.Forwarder
+`DeadLetterSink`   store.Outbox                downlink.poll.ReturnPoll
+`IngestObserver`   downlink AckListener        ingest (committed messages)
+`ReturnPathHost`   runtime.Agent               downlink.component.return_path
+=================  ==========================  ==============================
+
+The uplink side has its own in uplink/protocol.py (`Uplink`,
+`CommandSource`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from .config import Settings
+from .metrics import Metrics
+from .records import OutboundRecord
+from .uplink.protocol import CommandSource
+
+# Called with (topic, payload) for every message once its record is
+# committed, before the acknowledgement.  Must be quick and must not raise.
+IngestObserver = Callable[[str, bytes], None]
+
+
+class OutboxReader(Protocol):
+    """The forwarder's view of the outbox: read the oldest records, delete
+    what Iggy confirmed."""
+
+    @property
+    def records(self) -> int:
+        """Records waiting to be forwarded."""
+
+    async def wait_for_data(self, timeout: float | None = None) -> bool:
+        """True as soon as a record waits; False after `timeout` without one."""
+
+    async def read_batch(self, max_records: int, max_bytes: int) -> list[OutboundRecord]:
+        """The oldest records, in seq order, up to the limits (at least one)."""
+
+    async def confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None = None) -> int:
+        """Delete the whole batch, or only the `confirmed` seqs; the count deleted."""
+
+
+class DeadLetterSink(Protocol):
+    """Where a message that cannot be used goes, with its reason."""
+
+    async def dead_letter(
+        self,
+        *,
+        mqtt_topic: str | bytes,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        reason: str,
+        detail: str,
+        received_us: int | None = None,
+    ) -> None:
+        """Store it durably (committed before returning)."""
+
+
+class ReturnPathHost(Protocol):
+    """What the return path needs from the running agent."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def command_source(self) -> CommandSource | None: ...
+
+    @property
+    def dead_letters(self) -> DeadLetterSink: ...
+
+    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
+        """Call `observer` for every committed ingest message until the
+        returned function is called."""

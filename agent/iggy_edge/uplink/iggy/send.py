@@ -1,0 +1,172 @@
+"""Sending to a real Iggy server: the uplink (outbox batches) and the
+command sink (one message, the way the cloud side publishes commands).
+
+Timestamps
+    `SendMessage(...)` stamps the message's origin timestamp with the current
+    time when it is constructed, and a batch stores each message as a u32
+    microsecond delta from the batch's first origin timestamp (~71 minutes).
+    We build the `SendMessage` objects immediately before the request, so a
+    request spans milliseconds regardless of how old the records are.  The
+    real event time travels in the ``received-at-us`` header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from apache_iggy import SendMessage
+
+from ...config import IggySettings
+from ...records import OutboundRecord
+from ..partition import KeyPartitioner, by_topic, record_problem, wire_headers
+from ..protocol import UplinkRejected, UplinkUnavailable
+from .connection import ClientFactory, Connection
+from .errors import is_not_found
+from .topics import Topics
+
+
+def _to_send_message(record: OutboundRecord) -> SendMessage:
+    return SendMessage(record.payload, wire_headers(record.headers), record.message_id)
+
+
+class IggyUplink:
+    """`Uplink` over a real Iggy server.
+
+    `send` groups the batch by (stream, topic, partition) in order of first
+    appearance, the partition being `partition_for(key, partition count)`
+    (see partition.py), and sends each group as one request with an explicit
+    partition id.  A group is all-or-nothing, and all records of one key are
+    in one group, so a key is never split.  Groups are sent one after the
+    other; the first failure stops the batch and is raised with `confirmed`
+    holding the seqs of the groups sent before it.
+    """
+
+    def __init__(
+        self,
+        settings: IggySettings,
+        gateway_id: str,
+        *,
+        topics: Iterable[tuple[str, str]] = (),
+        client_factory: ClientFactory | None = None,
+    ) -> None:
+        self.settings = settings
+        self.gateway_id = gateway_id
+        self._conn = Connection(settings, "uplink", client_factory)
+        self._topics = Topics(self._conn)
+        self._wanted = tuple(dict.fromkeys(topics))
+        self._partitioner = KeyPartitioner()
+
+    async def start(self) -> None:
+        """Connect and log in (within connect_timeout_s) and make sure the
+        configured topics exist (creating them if create_missing)."""
+        await self._conn.client()
+        for stream, topic in self._wanted:
+            await self._topics.partitions(stream, topic)
+
+    async def send(self, batch: Sequence[OutboundRecord]) -> None:
+        if not batch:
+            return
+        confirmed: list[int] = []
+        for (stream, topic), records in by_topic(batch).items():
+            done = frozenset(confirmed)
+            count = await self._topics.partitions(stream, topic, confirmed=done)
+            for partition, group in self._partitioner.split(stream, topic, count, records):
+                await self._send_group(stream, topic, partition, group, frozenset(confirmed))
+                confirmed.extend(r.seq for r in group)
+
+    async def _send_group(
+        self,
+        stream: str,
+        topic: str,
+        partition: int,
+        group: list[OutboundRecord],
+        confirmed: frozenset[int],
+    ) -> None:
+        try:
+            messages = [_to_send_message(r) for r in group]
+        except ValueError as e:
+            bad = [(r.seq, p) for r in group if (p := record_problem(r)) is not None]
+            raise UplinkRejected(
+                f"iggy: records Iggy cannot carry in {stream}/{topic}: {bad or e}",
+                confirmed=confirmed,
+            ) from e
+        client = await self._conn.client()
+        what = f"send {len(group)} to {stream}/{topic}/{partition}"
+        try:
+            await self._conn.call(
+                what,
+                client.send_messages(stream, topic, partition, messages),
+                confirmed=confirmed,
+            )
+        except UplinkRejected as e:
+            if is_not_found(e) and self.settings.create_missing:
+                # The topic (or partition) went away under us: look it up
+                # again, and create it, on the next attempt.
+                self._topics.forget(stream, topic)
+                raise UplinkUnavailable(str(e), confirmed=confirmed) from e
+            raise
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+class IggyCommandSink:
+    """Publishes messages the way the cloud side would (for `command send`
+    and tests): one message, explicit partition, our headers as strings."""
+
+    def __init__(self, settings: IggySettings, *, client_factory: ClientFactory | None = None) -> None:
+        self.settings = settings
+        self._conn = Connection(settings, "command sink", client_factory)
+        self._topics = Topics(self._conn)
+
+    async def start(self) -> None:
+        await self._conn.client()
+
+    async def publish(
+        self,
+        stream: str,
+        topic: str,
+        partition_id: int,
+        payload: bytes,
+        headers: dict[str, str] | None = None,
+        *,
+        message_id: int | None = None,
+    ) -> int | None:
+        """Send one message; returns its offset when the server reports it."""
+        count = await self._topics.partitions(stream, topic)
+        if not 0 <= partition_id < count:
+            raise UplinkRejected(f"iggy: partition {partition_id} outside 0..{count - 1} of {stream}/{topic}")
+        try:
+            message = SendMessage(payload, wire_headers(headers or {}), message_id)
+        except ValueError as e:
+            raise UplinkRejected(f"iggy: message Iggy cannot carry: {e}") from e
+        client = await self._conn.client()
+        response = await self._conn.call(
+            f"publish to {stream}/{topic}/{partition_id}",
+            client.send_messages(stream, topic, partition_id, [message]),
+        )
+        for c in response.confirmations:
+            if c.partition_id == partition_id:
+                return c.base_offset
+        return None
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+async def send_command(
+    settings: IggySettings,
+    stream: str,
+    topic: str,
+    partition_id: int,
+    payload: bytes,
+    headers: dict[str, str] | None = None,
+    *,
+    message_id: int | None = None,
+) -> int | None:
+    """One-shot publish for the CLI: connect, send one message, close."""
+    sink = IggyCommandSink(settings)
+    try:
+        return await sink.publish(stream, topic, partition_id, payload, headers, message_id=message_id)
+    finally:
+        await sink.close()
