@@ -75,6 +75,7 @@ echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
 install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
+install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.acl" "$root/etc/mosquitto/iggy-edge.acl"
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
 mkdir -p "$root/usr/bin"
@@ -86,7 +87,8 @@ installed_kb=$(du -sk --exclude=DEBIAN "$root" | cut -f1)
 installed_kb=$((installed_kb + 60000))  # the venv postinst unpacks next to the wheels
 sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@INSTALLED_SIZE@/$installed_kb/" \
   "$here/control.in" > "$root/DEBIAN/control"
-printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf > "$root/DEBIAN/conffiles"
+printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf /etc/mosquitto/iggy-edge.acl \
+  > "$root/DEBIAN/conffiles"
 for script in postinst prerm postrm; do
   sed -e "s/@VERSION@/$version/" "$here/$script" > "$root/DEBIAN/$script"
   chmod 0755 "$root/DEBIAN/$script"
