@@ -233,6 +233,8 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
         "./etc/mosquitto/iggy-edge.acl",
         f"./opt/iggy-edge/wheels/iggy_edge-{VERSION}-py3-none-any.whl",
         "./usr/share/doc/iggy-edge/operations.md",
+        "./usr/share/iggy-edge/device/iggy_device/node.py",
+        "./usr/share/iggy-edge/firmware_examples/env_sensor/config.json",
         "./usr/bin/iggy-edge",
     ):
         assert wanted in files, wanted
@@ -311,6 +313,35 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
                 )
                 assert verify.returncode == 0, verify.stderr
             _generated_credentials_work(secret)
+            # provisioning works from the installed package alone: it finds the
+            # device sources and mpremote, and gets as far as the (absent) board
+            prov = subprocess.run(
+                [
+                    "/usr/bin/iggy-edge",
+                    "device",
+                    "provision",
+                    "--port",
+                    "/dev/ttyIGGYNOPE0",
+                    "--example",
+                    "env_sensor",
+                    "--device-id",
+                    "env-01",
+                    "--wifi-ssid",
+                    "lab",
+                    "--broker",
+                    "192.168.1.10",
+                    "--wifi-password-env",
+                    "W",
+                    "--mqtt-password-env",
+                    "M",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin", "W": "wifi-pw", "M": "mqtt-password-123"},
+            )
+            assert "no board on /dev/ttyIGGYNOPE0" in prov.stderr, prov.stdout + prov.stderr
 
             # -- remove: program gone, configuration and buffer kept
             done = subprocess.run(["dpkg", "-r", "iggy-edge"], capture_output=True, text=True, check=False)

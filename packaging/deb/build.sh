@@ -70,12 +70,23 @@ for pyver in $pythons; do
     --python-version "$pyver" "${platforms[@]}" -d "$wheels" "$self_wheel"
 done
 echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
+# `iggy-edge device provision` on the gateway: mpremote (pure Python, with
+# pyserial) talks to the board; the device library and the examples it
+# copies are in /usr/share/iggy-edge.
+for pyver in $pythons; do
+  "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
+    --python-version "$pyver" "${platforms[@]}" -d "$wheels" "mpremote>=1.22"
+done
 
 # Files the package installs.
 install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.acl" "$root/etc/mosquitto/iggy-edge.acl"
+for f in "$repo"/device/manifest.py "$repo"/device/iggy_device/*.py "$repo"/firmware_examples/*/*.py \
+  "$repo"/firmware_examples/*/config.json; do
+  install -D -m 0644 "$f" "$root/usr/share/iggy-edge/${f#"$repo"/}"
+done
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
 mkdir -p "$root/usr/bin"

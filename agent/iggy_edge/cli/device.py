@@ -43,6 +43,7 @@ ca_app = typer.Typer(help="The gateway's certificate authority for TLS to the bo
 app.add_typer(ca_app, name="ca")
 
 LIBRARY_PACKAGE = "iggy_device"
+PACKAGED_SOURCES = Path("/usr/share/iggy-edge")  # where the .deb puts device/ and firmware_examples/
 BOARD_CA_FILE = "ca.der"  # the gateway CA certificate on the board (DER)
 TLS_PORT = 8883
 MPREMOTE_TIMEOUT_S = 120.0
@@ -80,12 +81,14 @@ def _busy(port: str) -> PortBusyError:
 # -- locating the sources ---------------------------------------------------
 def source_root(explicit: Path | None = None) -> Path:
     """The directory holding device/ and firmware_examples/: --source-root,
-    IGGY_EDGE_DEVICE_ROOT, or the checkout this module lives in."""
+    IGGY_EDGE_DEVICE_ROOT, the checkout this module lives in, or the copy the
+    Debian package installs."""
     candidates = [explicit] if explicit else []
     env = os.environ.get("IGGY_EDGE_DEVICE_ROOT")
     if env:
         candidates.append(Path(env))
     candidates += list(Path(__file__).resolve().parents)
+    candidates.append(PACKAGED_SOURCES)
     for c in candidates:
         if c is not None and (c / "device" / LIBRARY_PACKAGE).is_dir() and (c / "firmware_examples").is_dir():
             return c
