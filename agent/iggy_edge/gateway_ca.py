@@ -30,34 +30,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-CA_DIR = Path("/etc/iggy-edge/ca")
-SERVER_CERT = Path("/etc/mosquitto/certs/iggy-edge-server.crt")
-SERVER_KEY = Path("/etc/mosquitto/certs/iggy-edge-server.key")
+from .ca_paths import CA_DIR, SERVER_CERT, SERVER_KEY, CaPaths
+
+__all__ = ["CA_DIR", "SERVER_CERT", "SERVER_KEY", "CaError", "CaPaths", "InitResult", "init", "server_names"]
+
 CA_DAYS = 20 * 365
 SERVER_DAYS = 10 * 365  # boards cannot be reached to renew often; the CA pins trust
 
 
 class CaError(Exception):
     """A failure with a message meant for the person at the keyboard."""
-
-
-@dataclass(frozen=True)
-class CaPaths:
-    ca_dir: Path = CA_DIR
-    server_cert: Path = SERVER_CERT
-    server_key: Path = SERVER_KEY
-
-    @property
-    def ca_key(self) -> Path:
-        return self.ca_dir / "ca.key"
-
-    @property
-    def ca_cert(self) -> Path:
-        return self.ca_dir / "ca.crt"
-
-    @property
-    def ca_der(self) -> Path:
-        return self.ca_dir / "ca.der"
 
 
 def _write(path: Path, data: bytes, mode: int, gid: int | None = None) -> None:

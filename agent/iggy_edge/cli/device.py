@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import gateway_ca
+from .. import ca_paths
 from . import device_credentials as creds
 from .common import fail
 
@@ -354,7 +354,9 @@ def read_ca(path: Path, broker: str, server_cert: Path) -> bytes:
         raise ProvisionError(f"cannot read {path}: run it with sudo") from None
     if der.startswith(b"-----BEGIN"):
         raise ProvisionError(f"{path} is PEM; give the DER copy (ca.der, written by `device ca init`)")
-    names = gateway_ca.server_names(gateway_ca.CaPaths(server_cert=server_cert))
+    from .. import gateway_ca  # noqa: PLC0415 - cryptography only for the commands that need it
+
+    names = gateway_ca.server_names(ca_paths.CaPaths(server_cert=server_cert))
     if names and broker not in names:
         raise ProvisionError(
             f"the broker's certificate {server_cert} is not valid for {broker!r} (it names "
@@ -384,8 +386,8 @@ def prepare(
     mqtt_user: str | None = None,
     mqtt_password_env: str | None = None,
     tls: bool = False,
-    ca_cert: Path = gateway_ca.CA_DIR / BOARD_CA_FILE,
-    server_cert: Path = gateway_ca.SERVER_CERT,
+    ca_cert: Path = ca_paths.CA_DIR / BOARD_CA_FILE,
+    server_cert: Path = ca_paths.SERVER_CERT,
     mpy: bool = False,
 ) -> Staged:
     """Everything before the board is touched: check the inputs, decide the
@@ -446,7 +448,7 @@ def provision(
     ] = False,
     ca_cert: Annotated[
         Path, typer.Option(help="The gateway CA certificate (DER) copied to the board with --tls.")
-    ] = gateway_ca.CA_DIR / BOARD_CA_FILE,
+    ] = ca_paths.CA_DIR / BOARD_CA_FILE,
     mpy: Annotated[
         bool, typer.Option("--mpy", help="Copy bytecode compiled by mpy-cross (saves RAM).")
     ] = False,
@@ -530,13 +532,13 @@ def ca_init(
         typer.Option(help="A name or IP address the boards use for the broker (repeatable)."),
     ],
     gateway: Annotated[str, typer.Option(help="Gateway name in the CA's subject.")] = "gateway",
-    ca_dir: Annotated[Path, typer.Option(help="Where the CA key and certificate live.")] = gateway_ca.CA_DIR,
+    ca_dir: Annotated[Path, typer.Option(help="Where the CA key and certificate live.")] = ca_paths.CA_DIR,
     server_cert: Annotated[
         Path, typer.Option(help="The broker's certificate (Mosquitto certfile).")
-    ] = gateway_ca.SERVER_CERT,
+    ] = ca_paths.SERVER_CERT,
     server_key: Annotated[
         Path, typer.Option(help="The broker's key (Mosquitto keyfile).")
-    ] = gateway_ca.SERVER_KEY,
+    ] = ca_paths.SERVER_KEY,
     renew_server: Annotated[
         bool, typer.Option(help="Issue a new server certificate with exactly these names.")
     ] = False,
@@ -544,11 +546,13 @@ def ca_init(
     """Create the gateway CA (first use) and the broker's TLS certificate."""
     import grp  # noqa: PLC0415 - POSIX only, needed here alone
 
+    from .. import gateway_ca  # noqa: PLC0415 - cryptography only for the commands that need it
+
     try:
         gid: int | None = grp.getgrnam("mosquitto").gr_gid
     except KeyError:
         gid = None
-    paths = gateway_ca.CaPaths(ca_dir=ca_dir, server_cert=server_cert, server_key=server_key)
+    paths = ca_paths.CaPaths(ca_dir=ca_dir, server_cert=server_cert, server_key=server_key)
     try:
         result = gateway_ca.init(paths, gateway, san, renew_server=renew_server, key_gid=gid)
     except (gateway_ca.CaError, PermissionError) as e:
