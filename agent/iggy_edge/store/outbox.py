@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sqlite3
 from pathlib import Path
 
 import aiosqlite
@@ -16,7 +17,8 @@ from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .dead import DeadLetters
 from .reader import ReadConfirm
-from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database
+from .recovery import Event, as_store_error, events_from_json
+from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
 
 
 class Outbox(GroupCommit, ReadConfirm, DeadLetters):
@@ -26,15 +28,36 @@ class Outbox(GroupCommit, ReadConfirm, DeadLetters):
         super().__init__(db, settings, gateway_id, metrics)
         self._pending = _Group()
         self._committer = None
+        self.recovery: list[Event] = []
 
     # -- life cycle -------------------------------------------------------
 
     @classmethod
     async def open(cls, path: Path, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> Outbox:
+        """Open and load the buffer.  Every database error, at open or at
+        load, takes the same path (recovery.py): a confirmed corruption is
+        salvaged into a fresh file, anything else leaves the file in place
+        and raises `StoreError` (`StoreUnavailable` when the disk failed),
+        with the connection closed (no aiosqlite thread left behind)."""
         db = await open_database(path, metrics)
-        box = cls(db, settings, gateway_id, metrics)
-        await box._load()
-        return box
+        recovered = False
+        while True:
+            box = cls(db, settings, gateway_id, metrics)
+            try:
+                await box._load()
+            except (sqlite3.Error, OSError) as e:
+                await db.close()
+                metrics.store_errors.inc()
+                events: list[Event] = []
+                if recovered or not await recover(path, e, metrics, events):
+                    raise as_store_error(path, e) from e
+                db = await reopen(path, metrics, events, recovered=True)
+                recovered = True
+                continue
+            except BaseException:
+                await db.close()
+                raise
+            return box
 
     async def _load(self) -> None:
         epoch = await self._meta("epoch")
@@ -58,9 +81,36 @@ class Outbox(GroupCommit, ReadConfirm, DeadLetters):
         for topic, dseq, crc in reversed(recent):
             self._recent[(topic, dseq, crc)] = None
         self._recent_count = len(recent)
+        self.recovery = await self._recovery_events()
         self._update_gauges()
         if self.records:
             self._data_available.set()
+
+    async def _recovery_events(self) -> list[Event]:
+        return events_from_json(await self._meta("recovery"))
+
+    @property
+    def attention(self) -> str:
+        """What an operator must look at ("" when nothing): recovery events
+        not yet acknowledged (`iggy-edge buffer ack-salvage`)."""
+        open_events = [e for e in self.recovery if not e.acknowledged]
+        parts = []
+        for e in open_events:
+            if e.kind == "salvaged":
+                parts.append(
+                    f"damaged buffer moved aside to {e.aside}: {e.salvaged} records salvaged, "
+                    f"{e.unreadable} unreadable"
+                )
+            else:
+                parts.append(f"damaged WAL copied to {e.aside}: up to {e.frames_lost} frames may be missing")
+        if parts:
+            parts.append("acknowledge with: iggy-edge buffer ack-salvage")
+        return "; ".join(parts)
+
+    async def refresh_age_gauge(self) -> None:
+        await super().refresh_age_gauge()
+        async with self._lock:
+            self.recovery = await self._recovery_events()  # an operator may have acknowledged
 
     def start(self) -> None:
         self._committer = asyncio.create_task(self._commit_loop(), name="outbox-commit")
