@@ -39,14 +39,21 @@ Design
   refuses the new ones.  Records older than `ttl_s` are expired.  Every drop
   is counted by reason and logged (rate-limited).  Dead letters are bounded
   by count, oldest first.
-* **Corruption.**  A file SQLite cannot read is moved aside
-  (`buffer.db.corrupt-<time>`) and a fresh buffer is started, loudly: a
-  gateway must not crash-loop on a bad SD card sector.
+* **A failing disk is not a damaged file** (recovery.py).  Errors are told
+  apart by SQLite's error code: a full or failing disk leaves the file in
+  place, the agent reports store=failed, acknowledges nothing and retries
+  (`Outbox.open_when_possible`); only a corruption confirmed by
+  integrity_check moves the file aside (`buffer.db.corrupt-<time>`), and what
+  can be read is salvaged into the fresh buffer with its ids and order.  A
+  -wal with a damaged header is copied aside before SQLite ignores it.  Both
+  stay visible (health, `buffer stats`, metrics) until acknowledged
+  (`iggy-edge buffer ack-salvage`).
 """
 
 from .commit import Incoming
 from .db import Database, NoDatabase, StoreError, ro_connect, sync_transaction
 from .outbox import Outbox
+from .recovery import Event, StoreUnavailable
 from .schema import (
     ROW_OVERHEAD,
     SCHEMA,
@@ -61,10 +68,12 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "Database",
+    "Event",
     "Incoming",
     "NoDatabase",
     "Outbox",
     "StoreError",
+    "StoreUnavailable",
     "accounted_bytes",
     "device_seq_of",
     "open_database",

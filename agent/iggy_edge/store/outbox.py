@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import aiosqlite
@@ -17,8 +19,10 @@ from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .dead import DeadLetters
 from .reader import ReadConfirm
-from .recovery import Event, as_store_error, events_from_json
+from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
 from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+
+log = logging.getLogger(__name__)
 
 
 class Outbox(GroupCommit, ReadConfirm, DeadLetters):
@@ -58,6 +62,48 @@ class Outbox(GroupCommit, ReadConfirm, DeadLetters):
                 await db.close()
                 raise
             return box
+
+    @classmethod
+    async def open_when_possible(
+        cls,
+        path: Path,
+        settings: BufferSettings,
+        gateway_id: str,
+        metrics: Metrics,
+        *,
+        stop: asyncio.Event,
+        on_failure: Callable[[StoreError | None], None] = lambda _e: None,
+        max_delay_s: float = 30.0,
+    ) -> Outbox | None:
+        """`open`, retried with capped backoff while the disk fails
+        (`StoreUnavailable`: full, I/O error): the file stays in place,
+        nothing is acknowledged meanwhile (ingest is not started, so the broker
+        keeps the messages) and the agent resumes once the disk works again.
+        `on_failure(err)` reports each failure and `on_failure(None)` the
+        success.  None when `stop` is set first; other errors raise."""
+        attempt = 0
+        while not stop.is_set():
+            try:
+                box = await cls.open(path, settings, gateway_id, metrics)
+            except StoreUnavailable as e:
+                on_failure(e)
+                delay = min(max_delay_s, 0.5 * 2**attempt)
+                attempt += 1
+                log.error(
+                    "store=failed: %s; nothing is acknowledged (the broker keeps the messages);"
+                    " retry %d in %.1fs",
+                    e,
+                    attempt,
+                    delay,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                continue
+            on_failure(None)
+            if attempt:
+                log.warning("buffer %s opened after %d failed attempts", path, attempt)
+            return box
+        return None
 
     async def _load(self) -> None:
         epoch = await self._meta("epoch")

@@ -236,6 +236,89 @@ def _key_range(src: sqlite3.Connection, table: str, key: str, last: int | None) 
     return int(lo), int(hi)
 
 
+def _outbox_row_ok(r: tuple[Any, ...]) -> bool:
+    """Flipped bytes can leave a row SQLite reads but that is not ours (NULLs,
+    wrong types): such a row counts as unreadable."""
+    seq, rid, pkey, topic, flags, recv, dseq, payload = r
+    return (
+        all(isinstance(x, int) for x in (seq, rid, flags, recv))
+        and isinstance(pkey, str)
+        and isinstance(topic, str)
+        and (dseq is None or isinstance(dseq, int))
+        and isinstance(payload, bytes)
+    )
+
+
+def _dead_row_ok(r: tuple[Any, ...]) -> bool:
+    recv, topic, qos, retain, reason, detail, payload, size = r
+    return (
+        all(isinstance(x, int) for x in (recv, qos, retain, size))
+        and isinstance(topic, (bytes, str))
+        and isinstance(reason, str)
+        and isinstance(detail, str)
+        and isinstance(payload, bytes)
+    )
+
+
+def _scan(src: sqlite3.Connection, sql: str) -> Iterator[tuple[Any, ...]]:
+    """Rows of `sql` until the first error."""
+    try:
+        cur = src.execute(sql)
+        while rows := cur.fetchmany(SALVAGE_CHUNK):
+            yield from rows
+    except sqlite3.DatabaseError as e:
+        log.warning("salvage scan stopped: %s", e)
+
+
+def _write_outbox(
+    dst: sqlite3.Connection, rows: Iterator[tuple[Any, ...]], route_ids: set[int], orphan_seqs: set[int]
+) -> tuple[int, int]:
+    """Insert the valid rows not yet in `dst` (seq kept); rows whose route is
+    unknown become dead letters.  Returns (records, dead letters) added."""
+    n = k = d = 0
+    batch: list[tuple[Any, ...]] = []
+    orphans: list[tuple[Any, ...]] = []
+
+    def flush() -> tuple[int, int]:
+        with sync_transaction(dst):
+            before = dst.total_changes
+            dst.executemany(f"INSERT OR IGNORE INTO outbox({OUTBOX_COLS}) VALUES (?,?,?,?,?,?,?,?)", batch)  # noqa: S608
+            added = dst.total_changes - before
+            fresh = list({r[0]: r for r in orphans if r[0] not in orphan_seqs}.values())
+            dst.executemany(
+                f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)",  # noqa: S608
+                [
+                    (
+                        r[5],
+                        r[3].encode(),
+                        r[4] & 3,
+                        (r[4] >> 2) & 1,
+                        "salvaged",
+                        f"salvaged from a damaged buffer (seq {r[0]}); its route was unreadable",
+                        r[7],
+                        len(r[7]),
+                    )
+                    for r in fresh
+                ],
+            )
+            orphan_seqs.update(r[0] for r in fresh)
+        batch.clear()
+        orphans.clear()
+        return added, len(fresh)
+
+    for r in rows:
+        if not _outbox_row_ok(r):
+            continue
+        (batch if r[1] in route_ids else orphans).append(r)
+        n += 1
+        if n % SALVAGE_CHUNK == 0:
+            a, b = flush()
+            k += a
+            d += b
+    a, b = flush()
+    return k + a, d + b
+
+
 OUTBOX_COLS: Final = "seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
 DEAD_COLS: Final = "received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
 
@@ -262,34 +345,21 @@ def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Even
         span = _key_range(src, "outbox", "seq", None if last is None else int(last[0]))
         top = 0
         if span is not None:
-            bad: list[int] = []
             sql = f"SELECT {OUTBOX_COLS} FROM outbox WHERE seq >= ? AND seq < ? ORDER BY seq"  # noqa: S608
+            orphan_seqs: set[int] = set()
             for lo in range(span[0], span[1] + 1, SALVAGE_CHUNK):
-                rows = list(_read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, span[1] + 1), bad))
-                keep = [r for r in rows if r[1] in route_ids]
-                orphans = [r for r in rows if r[1] not in route_ids]
-                with sync_transaction(dst):
-                    dst.executemany(f"INSERT INTO outbox({OUTBOX_COLS}) VALUES (?,?,?,?,?,?,?,?)", keep)  # noqa: S608
-                    dst.executemany(
-                        f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)",  # noqa: S608
-                        [
-                            (
-                                r[5],
-                                str(r[3]).encode(),
-                                r[4] & 3,
-                                (r[4] >> 2) & 1,
-                                "salvaged",
-                                "salvaged from a damaged buffer; its route was unreadable",
-                                bytes(r[7]),
-                                len(r[7]),
-                            )
-                            for r in orphans
-                        ],
-                    )
-                salvaged += len(keep)
-                dead += len(orphans)
-            unreadable = len(bad)
+                rows = _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, span[1] + 1), [])
+                k, d = _write_outbox(dst, rows, route_ids, orphan_seqs)
+                salvaged += k
+                dead += d
+            # A damaged interior page can hide leaf pages from the seq search;
+            # a plain scan walks the leaves in b-tree order and may still reach them.
+            scan = _scan(src, f"SELECT {OUTBOX_COLS} FROM outbox")  # noqa: S608
+            k, d = _write_outbox(dst, scan, route_ids, orphan_seqs)
+            salvaged += k
+            dead += d
             top = span[1]
+            unreadable = max(0, span[1] - span[0] + 1 - salvaged - dead)
         old_last = None if last is None else int(last[0])
         next_seq = old_last if old_last is not None else top + SEQ_MARGIN
         if old_last is None:
@@ -305,9 +375,14 @@ def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Even
             bad_dead: list[int] = []
             sql = f"SELECT {DEAD_COLS} FROM dead_letters WHERE id >= ? AND id < ? ORDER BY id"  # noqa: S608
             for lo in range(dspan[0], dspan[1] + 1, SALVAGE_CHUNK):
-                rows = list(_read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, dspan[1] + 1), bad_dead))
+                drows: list[tuple[Any, ...]] = []
+                for r in _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, dspan[1] + 1), bad_dead):
+                    if _dead_row_ok(r):
+                        drows.append(r)
+                    else:
+                        bad_dead.append(-1)
                 with sync_transaction(dst):
-                    dst.executemany(f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)", rows)  # noqa: S608
+                    dst.executemany(f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)", drows)  # noqa: S608
             if bad_dead:
                 notes.append(f"{len(bad_dead)} dead letters unreadable")
     finally:
