@@ -17,7 +17,6 @@ from ..config import BufferSettings
 from ..metrics import Metrics
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
-from .dead import DeadLetters
 from .reader import ReadConfirm
 from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
 from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
@@ -25,13 +24,12 @@ from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
 log = logging.getLogger(__name__)
 
 
-class Outbox(GroupCommit, ReadConfirm, DeadLetters):
+class Outbox(GroupCommit, ReadConfirm):
     """Durable, bounded outbox with group commit.  See the package docstring."""
 
     def __init__(self, db: Database, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> None:
         super().__init__(db, settings, gateway_id, metrics)
         self._pending = _Group()
-        self._committer = None
         self.recovery: list[Event] = []
 
     # -- life cycle -------------------------------------------------------
