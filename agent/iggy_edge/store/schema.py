@@ -160,24 +160,35 @@ async def recover(path: Path, e: BaseException, metrics: Metrics | None, events:
     if problem is None:
         log.error("buffer %s: %s, but integrity_check is ok: leaving it in place", path, e)
         return False
+    # Salvage into a new file beside it first and swap only when that worked:
+    # a failure on the way (the disk is also full) leaves the damaged file in
+    # place for the next attempt, never an empty buffer in its stead.
+    now = time.time()
+    tmp = path.with_name(path.name + ".salvage")
+    log.error(
+        "buffer database %s is damaged (%s; integrity_check: %s): salvaging what can be read"
+        " into a fresh buffer",
+        path,
+        e,
+        problem[:300],
+    )
     try:
-        now = time.time()
-        aside = move_aside(path, now)
-        log.error(
-            "buffer database %s is damaged (%s; integrity_check: %s): moved aside to %s;"
-            " salvaging what can be read into a fresh buffer",
-            path,
-            e,
-            problem[:300],
-            aside,
-        )
-        fresh = await _open(path)
+        for side in (tmp, *(tmp.with_name(tmp.name + x) for x in ("-wal", "-shm"))):
+            side.unlink(missing_ok=True)
+        fresh = await _open(tmp)
         await fresh.close()
-        event = await asyncio.to_thread(salvage, aside, path, now=now)
+        event = await asyncio.to_thread(salvage, path, tmp, now=now)
+        aside = move_aside(path, now)
+        for suffix in ("-wal", "-shm"):
+            side = tmp.with_name(tmp.name + suffix)
+            if side.exists():
+                side.rename(path.with_name(path.name + suffix))
+        tmp.rename(path)
     except (sqlite3.Error, OSError) as salvage_error:
         raise StoreUnavailable(
-            f"{path}: salvage of the damaged buffer failed: {salvage_error}"
+            f"{path}: salvage of the damaged buffer failed: {salvage_error}; the file is left in place"
         ) from salvage_error
+    event.aside = str(aside)
     log.error(
         "salvaged %d records from %s into a fresh buffer (ids and order kept); %d unreadable, %d became dead "
         "letters (route unreadable); %s.  Acknowledge with: iggy-edge buffer ack-salvage",
