@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from iggy_edge.uplink.file import read_records
 
 from tests.support.broker import Broker
 from tests.support.mqtt import Publisher
+from tests.support.tmpfs import fill_disk, small_tmpfs
 from tests.support.wait import async_wait_until
 
 AGENT = str(Path(sys.executable).with_name("iggy-edge"))
@@ -75,11 +74,6 @@ def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([AGENT, *args], capture_output=True, check=False, timeout=60)
 
 
-def fill_disk(filler: Path) -> None:
-    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True, check=False)
-    assert shutil.disk_usage(filler.parent).free < 64 * 1024
-
-
 def forwarded(uplink: Path) -> set[tuple[str, int]]:
     if not uplink.exists():
         return set()
@@ -117,19 +111,8 @@ async def until_subscribed(broker: Broker, db: Path) -> None:
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "fs", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_restart_on_a_full_disk_keeps_the_buffer_and_resumes(

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import shutil
 import sqlite3
 import struct
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +26,8 @@ from iggy_edge.store import Incoming, Outbox, StoreUnavailable
 from iggy_edge.store.recovery import WAL_HEADER, wal_checksum, wal_header_problem
 from iggy_edge.store.schema import recover
 
+from tests.support.tmpfs import fill_disk
+from tests.support.tmpfs import small_tmpfs as tmpfs
 from tests.support.wait import async_wait_until
 
 GW = "gw-recovery"
@@ -79,32 +79,14 @@ def aiosqlite_threads() -> int:
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "fs", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill_disk(mnt: Path) -> Path:
-    filler = mnt / "filler"
-    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True, check=False)
-    assert shutil.disk_usage(mnt).free < 64 * 1024, "the filler did not fill the tmpfs"
-    return filler
 
 
 async def test_full_disk_at_open_leaves_the_buffer_in_place_and_resumes(small_tmpfs: Path) -> None:
     path = small_tmpfs / "buffer.db"
     await fill(path, 4560)
-    filler = fill_disk(small_tmpfs)
+    filler = fill_disk(small_tmpfs / "filler")
     threads = aiosqlite_threads()
     for _ in range(3):  # the agent retries; every attempt must leave the file alone
         with pytest.raises(StoreUnavailable, match="left in place"):
@@ -134,7 +116,7 @@ async def test_full_disk_at_open_leaves_the_buffer_in_place_and_resumes(small_tm
 async def test_open_when_possible_waits_for_the_disk_then_opens(small_tmpfs: Path) -> None:
     path = small_tmpfs / "buffer.db"
     await fill(path, 500)
-    filler = fill_disk(small_tmpfs)
+    filler = fill_disk(small_tmpfs / "filler")
     failures: list[str] = []
     stop = asyncio.Event()
 
