@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -208,3 +209,26 @@ async def test_damaged_buffer_starts_salvages_and_forwards(tmp_path: Path, broke
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_start_that_cannot_open_the_buffer_exits_non_zero_without_a_traceback(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """A buffer this version cannot load (here: a table of another schema):
+    no move aside, no retrying for ever, no hang -- exit 1 with the reason."""
+    state = tmp_path / "state"
+    state.mkdir()
+    db = state / "buffer.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, something_else TEXT)")
+    conn.execute("INSERT INTO outbox(something_else) VALUES ('x')")
+    conn.commit()
+    conn.close()
+    cfg = write_config(tmp_path / "agent.toml", state, broker, None)
+    done = cli("run", "-c", str(cfg))
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 1, err
+    assert "cannot start" in err
+    assert "Traceback" not in err
+    assert db.exists()
+    assert not [p for p in state.iterdir() if ".corrupt-" in p.name]

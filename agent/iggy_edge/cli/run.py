@@ -11,9 +11,10 @@ from ..downlink import return_path
 from ..httpd import http_endpoint
 from ..logs import setup_logging
 from ..runtime import Agent, Component
+from ..store import StoreError
 from ..systemd import systemd_notify
 from ..uplink.factory import make_command_source, make_uplink
-from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 
 log = logging.getLogger("iggy_edge")
 
@@ -48,4 +49,8 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     secrets = [p.get_secret_value() for p in (settings.mqtt.password, settings.iggy.password) if p]
     setup_logging(settings.logging.level, settings.logging.format, secrets)
     log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
-    asyncio.run(run_agent(build_agent(settings)))
+    try:
+        asyncio.run(run_agent(build_agent(settings)))
+    except StoreError as e:  # the buffer cannot be opened and waiting will not fix it
+        log.error("cannot start: %s", e)
+        raise fail(f"cannot start: {e}") from None

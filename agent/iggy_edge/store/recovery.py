@@ -7,7 +7,9 @@
   system, not the file: the file stays where it is (`StoreUnavailable`), the
   agent reports ``store=failed``, acknowledges nothing (the broker keeps the
   messages) and tries again.  ``SQLITE_BUSY`` / ``SQLITE_LOCKED``: another
-  process holds the file (`StoreError` "locked").
+  process holds the file (`StoreError` "locked").  Anything else (a schema
+  this version does not know): `StoreError`, the file stays, the agent exits
+  non-zero.
 * **Only a confirmed corruption moves a file aside**: a corruption code AND
   ``PRAGMA integrity_check`` not "ok" on a separate connection.  The file (and
   its -wal / -shm) is renamed ``<name>.corrupt-<time>``, a fresh buffer is
@@ -56,6 +58,18 @@ SEQ_MARGIN: Final = 1_000_000  # seqs skipped when the old sequence is unreadabl
 
 CORRUPT: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 LOCKED: Final = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+# The disk or the system, not the file: wait and try again.
+TRANSIENT: Final = frozenset(
+    {
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_NOMEM,
+        sqlite3.SQLITE_READONLY,  # e.g. the kernel remounted a failing SD card read-only
+        sqlite3.SQLITE_PROTOCOL,
+        sqlite3.SQLITE_INTERRUPT,
+    }
+)
 
 
 class StoreUnavailable(StoreError):
@@ -78,7 +92,10 @@ def as_store_error(path: Path, e: BaseException) -> StoreError:
     name = getattr(e, "sqlite_errorname", type(e).__name__)
     if code in LOCKED:
         return StoreError(f"{path}: database is locked by another process ({name})")
-    return StoreUnavailable(f"{path}: {e} ({name}); the file is left in place")
+    if isinstance(e, OSError) or code in TRANSIENT:
+        return StoreUnavailable(f"{path}: {e} ({name}); the file is left in place")
+    # anything else (a schema this version does not know, a misuse): retrying will not help
+    return StoreError(f"{path}: {e} ({name}); the file is left in place")
 
 
 def integrity_problem(path: Path) -> str | None:
