@@ -2,23 +2,41 @@
 
 Reading (stats, peek, export, dead letters) works beside a running agent
 (WAL); writing (purge, dead-letter replay) takes the file exclusively.  The
-outbox itself, its schema and its design note are in store.py.
+outbox itself, its schema, its connections and its design note are in the
+store package; `exclusive` and `BufferBusy` live in store/db.py.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import BufferSettings
 from .routing import Rejected, Router
-from .store import ROW_OVERHEAD, StoreError, accounted_bytes, device_seq_of
+from .store.db import BufferBusy, NoDatabase, StoreError, exclusive, ro_connect, sync_transaction
+from .store.recovery import Event, acknowledge, read_events
+from .store.schema import COUNT_DROP_SQL, ROW_OVERHEAD, accounted_bytes, device_seq_of
+
+__all__ = [
+    "BufferBusy",
+    "BufferStats",
+    "DeadLetter",
+    "ReplayResult",
+    "StoredRecord",
+    "ack_salvage",
+    "count_rows",
+    "exclusive",
+    "iter_records",
+    "purge",
+    "read_dead_letters",
+    "read_stats",
+    "replay_dead_letters",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +62,11 @@ class BufferStats:
     dead_letters_by_reason: dict[str, int]
     drops_by_reason: dict[str, int]
     file_bytes: int
+    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery.py)
+
+    @property
+    def unacknowledged(self) -> list[Event]:
+        return [e for e in self.recovery if not e.acknowledged]
 
     def as_dict(self) -> dict[str, Any]:
         age = None if self.oldest_received_us is None else time.time() - self.oldest_received_us / 1e6
@@ -56,20 +79,15 @@ class BufferStats:
             "dead_letters_by_reason": self.dead_letters_by_reason,
             "drops_by_reason": self.drops_by_reason,
             "file_bytes": self.file_bytes,
+            "recovery": [asdict(e) for e in self.recovery],
         }
 
 
 # -- read-only helpers for the CLI (a separate process, WAL lets it read) --
 
 
-def _ro_connect(path: Path) -> sqlite3.Connection:
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-
-
 def read_stats(path: Path) -> BufferStats:
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         records, nbytes = conn.execute(
             "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
@@ -78,6 +96,7 @@ def read_stats(path: Path) -> BufferStats:
         newest = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
         by_reason = dict(conn.execute("SELECT reason, count(*) FROM dead_letters GROUP BY reason").fetchall())
         drops = dict(conn.execute("SELECT reason, count FROM drops").fetchall())
+        recovery = read_events(conn)
     except sqlite3.DatabaseError as e:
         raise StoreError(f"{path}: {e}") from e
     finally:
@@ -92,17 +111,20 @@ def read_stats(path: Path) -> BufferStats:
         dead_letters_by_reason={str(k): int(v) for k, v in by_reason.items()},
         drops_by_reason={str(k): int(v) for k, v in drops.items()},
         file_bytes=file_bytes,
+        recovery=recovery,
     )
 
 
 def read_dead_letters(path: Path, limit: int = 100) -> list[DeadLetter]:
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         rows = conn.execute(
             "SELECT id, received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
             " FROM dead_letters ORDER BY id DESC LIMIT ?",
             (limit,),
         ).fetchall()
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path}: {e}") from e
     finally:
         conn.close()
     return [
@@ -157,13 +179,9 @@ class StoredRecord:
         return doc
 
 
-class BufferBusy(StoreError):
-    """The buffer is open in another process (normally the running agent)."""
-
-
 def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> Iterator[StoredRecord]:
     """Outbox records oldest first (seq order), read in pages of `chunk`."""
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         routes = {
             int(r[0]): (str(r[1]), str(r[2])) for r in conn.execute("SELECT id, stream, topic FROM routes")
@@ -192,38 +210,6 @@ def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> 
         conn.close()
 
 
-@contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[sqlite3.Connection]:
-    """A read-write connection that holds the buffer exclusively (see above)."""
-    if not path.exists():
-        raise StoreError(f"{path}: no buffer database (has the agent run yet?)")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=0)
-    try:
-        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
-        conn.execute("BEGIN IMMEDIATE")  # takes the exclusive lock now, or fails
-        conn.execute("COMMIT")
-    except sqlite3.OperationalError as e:
-        conn.close()
-        if "locked" in str(e) or "busy" in str(e):
-            raise BufferBusy(
-                f"{path} is in use by another process -- is the agent running? "
-                "Stop it first (systemctl stop iggy-edge)"
-            ) from e
-        raise StoreError(f"{path}: {e}") from e
-    try:
-        yield conn
-    finally:
-        conn.close()
-
-
-def _count_drop_sync(conn: sqlite3.Connection, reason: str, n: int) -> None:
-    conn.execute(
-        "INSERT INTO drops(reason, count) VALUES (?, ?)"
-        " ON CONFLICT(reason) DO UPDATE SET count = count + excluded.count",
-        (reason, n),
-    )
-
-
 def purge(
     conn: sqlite3.Connection,
     *,
@@ -237,17 +223,12 @@ def purge(
     Returns (records, dead letters) deleted."""
     records = 0
     while True:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with sync_transaction(conn):
             n = conn.execute(
                 "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT ?)", (chunk,)
             ).rowcount
             if n:
-                _count_drop_sync(conn, "purged", n)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+                conn.execute(COUNT_DROP_SQL, ("purged", n))
         if not n:
             break
         records += n
@@ -255,9 +236,8 @@ def purge(
             progress(n)
     dead = 0
     if dead_letters:
-        conn.execute("BEGIN IMMEDIATE")
-        dead = conn.execute("DELETE FROM dead_letters").rowcount
-        conn.execute("COMMIT")
+        with sync_transaction(conn):
+            dead = conn.execute("DELETE FROM dead_letters").rowcount
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return records, dead
 
@@ -300,8 +280,7 @@ def replay_dead_letters(
         if not rows:
             break
         after = int(rows[-1][0])
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with sync_transaction(conn):
             for dl_id, recv, topic_b, qos, retain, payload_b, size in rows:
                 payload = bytes(payload_b)
                 try:
@@ -344,20 +323,32 @@ def replay_dead_letters(
                 records += 1
                 used += add
                 result.replayed += 1
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         if progress is not None:
             progress(len(rows))
     return result
+
+
+def ack_salvage(path: Path) -> int:
+    """Acknowledge the recovery events (a damaged buffer moved aside and
+    salvaged, a damaged WAL copied aside): health stops showing them.  Works
+    beside the running agent (a short write transaction; it re-reads the
+    events every few seconds).  Returns how many were open."""
+    if not path.exists():
+        raise NoDatabase(f"{path}: no buffer database (has the agent run yet?)")
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+    try:
+        return acknowledge(conn)
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path}: {e}") from e
+    finally:
+        conn.close()
 
 
 def count_rows(path: Path, table: str) -> int:
     """Rows in `outbox` or `dead_letters` (for progress bars)."""
     if table not in ("outbox", "dead_letters"):
         raise ValueError(table)
-    conn = _ro_connect(path)
+    conn = ro_connect(path)
     try:
         return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
     except sqlite3.DatabaseError as e:

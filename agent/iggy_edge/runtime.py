@@ -64,6 +64,7 @@ class Health:
     ingest: str
     store: str
     uplink: str
+    attention: str = ""  # e.g. a damaged buffer moved aside, until acknowledged (store/recovery.py)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -174,11 +175,17 @@ class Agent:
             down_for = time.time() - self.forwarder.down_since
             uplink = f"down for {down_for:.0f}s"
             uplink_ok = down_for < self.settings.metrics.uplink_down_unhealthy_s
-        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink)
+        attention = "" if self.outbox is None else self.outbox.attention
+        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink, attention)
 
     async def run(self) -> None:
         s = self.settings
-        self.outbox = outbox = await Outbox.open(s.buffer_path, s.buffer, s.gateway_id, self.metrics)
+        outbox = await Outbox.open_when_possible(
+            s.buffer_path, s.buffer, s.gateway_id, self.metrics, stop=self._stop
+        )
+        if outbox is None:
+            return  # stopped while the disk was failing; nothing was acknowledged
+        self.outbox = outbox
         outbox.start()
         log.info(
             "outbox %s: %d records buffered (%d bytes), synchronous=%s, overflow=%s",

@@ -29,18 +29,17 @@ Design
 * **Config** keeps one row per device, the newest desired config (by Iggy
   order).  An identical re-send does not reset the row, so it is not
   published again.
-* One lock per inbox: the poll, the deliverer and the ack listener share
+* One lock per inbox (its `Database`, store/db.py): the poll, the deliverer and the ack listener share
   the connection, and an aiosqlite connection has one transaction at a time.
 * Durability follows ``buffer.synchronous`` (FULL by default).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -48,6 +47,7 @@ from typing import Any, Final
 import aiosqlite
 
 from ..config import Settings
+from ..store.db import Database, ro_connect
 from .commands import Ack, Command, CommandState, DesiredConfig
 
 SCHEMA: Final = """
@@ -150,51 +150,32 @@ class CommandRow:
 
 
 class Inbox:
-    def __init__(self, conn: aiosqlite.Connection, settings: Settings) -> None:
-        self._conn = conn
+    def __init__(self, db: Database, settings: Settings) -> None:
+        self._db = db
+        self._conn = db.conn
         self._settings = settings
-        self._lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, path: Path, settings: Settings) -> Inbox:
         """Open the agent's buffer database (the outbox created it) on a
-        connection of our own and create our tables if missing."""
+        connection of our own and create our tables if missing (the
+        connection is closed again on failure or cancellation, see
+        store/db.py)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = await aiosqlite.connect(path, isolation_level=None)
-        try:
-            await conn.execute("PRAGMA journal_mode=WAL")
-            await conn.execute("PRAGMA busy_timeout=10000")
-            await conn.execute(f"PRAGMA synchronous={settings.buffer.synchronous.upper()}")
-            await conn.executescript(SCHEMA)
-        except BaseException:
-            # also when cancelled (a stop while the schema waits for the
-            # outbox's write lock): an unclosed aiosqlite connection leaves its
-            # thread to report into a closed event loop at exit
-            await conn.close()
-            raise
-        return cls(conn, settings)
+        db = await Database.connect(
+            path, busy_timeout_ms=10000, synchronous=settings.buffer.synchronous, schema=SCHEMA
+        )
+        return cls(db, settings)
 
     async def close(self) -> None:
-        await self._conn.close()
+        await self._db.close()
 
-    @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[None]:
-        async with self._lock:
-            # BEGIN inside the try: a task cancelled while awaiting BEGIN
-            # still has it executed by aiosqlite's thread, and the connection
-            # must not be left inside that transaction for the next caller.
-            try:
-                await self._conn.execute("BEGIN IMMEDIATE")
-                yield
-                await self._conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    await self._conn.execute("ROLLBACK")
-                raise
+    def _transaction(self) -> contextlib.AbstractAsyncContextManager[aiosqlite.Connection]:
+        """The inbox's lock and one transaction (store/db.py)."""
+        return self._db.write()
 
     async def _fetchall(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
-        async with self._lock, self._conn.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+        return await self._db.fetchall(sql, params)
 
     # -- offsets ------------------------------------------------------------
 
@@ -384,9 +365,8 @@ class Inbox:
 
 
 def _ro(path: Path) -> sqlite3.Connection:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no buffer database (has the agent run yet?)")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    """Read-only; a missing file raises NoDatabase, a FileNotFoundError."""
+    return ro_connect(path)
 
 
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:

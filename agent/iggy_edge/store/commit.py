@@ -1,0 +1,239 @@
+"""Ingest's side of the outbox: submit records, commit them in groups."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import chain
+from typing import Any
+
+from ..records import Route
+from .bounds import Bounds
+from .db import StoreError
+from .dead import DEAD_GROUP_MAX, DeadLetters
+from .schema import RECENT_WINDOW, ROWS_PER_INSERT, accounted_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A message from ingest, waiting in the pending group."""
+
+    route: Route
+    mqtt_topic: str
+    qos: int
+    retain: bool
+    received_us: int
+    payload: bytes
+    device_seq: int | None = None
+
+
+@dataclass
+class _Group:
+    items: list[Incoming] = field(default_factory=list)
+    done: asyncio.Future[None] | None = None
+    nbytes: int = 0  # payload bytes
+
+
+@lru_cache(maxsize=64)
+def _values_sql(head: str, ncols: int, nrows: int) -> str:
+    row = "(" + ", ".join("?" * ncols) + ")"
+    return f"{head} VALUES " + ", ".join([row] * nrows)
+
+
+class GroupCommit(DeadLetters, Bounds):
+    """Group commit: `submit` queues synchronously (arrival order), one
+    committer task writes each group in one transaction (and the dead-letter
+    groups, dead.py)."""
+
+    _pending: _Group
+
+    def submit(self, item: Incoming) -> asyncio.Future[None]:
+        """Queue a record for the next group commit (synchronous, so arrival
+        order is kept) and return the future of that commit."""
+        if self._failure is not None:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.set_exception(self._failure)
+            return fut
+        group = self._pending
+        if group.done is None:
+            group.done = asyncio.get_running_loop().create_future()
+        group.items.append(item)
+        group.nbytes += len(item.payload)
+        self._pending_bytes += len(item.payload)
+        if len(group.items) == 1 or len(group.items) >= self._settings.commit_max_records:
+            self._wakeup.set()
+        return group.done
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending.items)
+
+    async def wait_pending_below(self, limit: int, *, max_bytes: int | None = None) -> None:
+        """Return once fewer than `limit` records wait for their commit and,
+        with `max_bytes`, fewer than that many payload bytes of records and
+        dead letters (`pending_bytes`); ingest uses it to stop reading from the
+        broker's socket under overload.  Never raises a commit's error."""
+        while len(self._pending.items) >= limit and self._pending.done is not None:
+            await asyncio.wait([self._pending.done])
+        if max_bytes is not None:
+            while self._pending_bytes >= max_bytes:
+                self._progress.clear()
+                await self._progress.wait()
+
+    async def _commit_loop(self) -> None:
+        interval = self._settings.commit_interval_ms / 1000
+        while True:
+            if not self._pending.items and not self._dead_groups:
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if interval and not self._closed and self._room_to_wait():
+                # Let more handlers join this group; the ack latency this adds
+                # is bounded by commit_interval_ms.
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), interval)
+            if self._pending.items:
+                # The whole group commits at once: its size is bounded by the broker's
+                # in-flight window (receive maximum) plus the QoS0 queue limit.
+                group, self._pending = self._pending, _Group()
+                await self._commit_group(group)
+            await self._commit_dead_groups()
+
+    def _room_to_wait(self) -> bool:
+        """Is the open group small enough to wait for more?"""
+        if self._pending.items:
+            return len(self._pending.items) < self._settings.commit_max_records
+        return len(self._dead_groups) == 1 and len(self._dead_groups[0].rows) < DEAD_GROUP_MAX
+
+    async def _commit_group(self, group: _Group) -> None:
+        started = time.perf_counter()
+        done = group.done
+        try:
+            async with self._lock:
+                await self._insert(group.items)
+        except (sqlite3.Error, OSError) as e:
+            self._release(group.nbytes)
+            self._metrics.store_errors.inc()
+            err = StoreError(f"commit failed: {e}")
+            log.error("outbox commit of %d records failed: %s", len(group.items), e)
+            if done is not None and not done.done():
+                done.set_exception(err)
+                done.exception()  # mark retrieved: each waiter re-raises it
+            return
+        self._release(group.nbytes)
+        self._metrics.store_commit_seconds.observe(time.perf_counter() - started)
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    async def _route_id(self, route: Route) -> int:
+        key = (route.stream, route.topic)
+        rid = self._route_ids.get(key)
+        if rid is None:
+            await self._conn.execute("INSERT OR IGNORE INTO routes(stream, topic) VALUES (?, ?)", key)
+            row = await self._db.fetchone("SELECT id FROM routes WHERE stream = ? AND topic = ?", key)
+            assert row is not None
+            rid = int(row[0])
+            self._route_ids[key] = rid
+            self._route_names[rid] = key
+        return rid
+
+    async def _last_seq(self) -> int:
+        row = await self._db.fetchone("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'")
+        return 0 if row is None else int(row[0])
+
+    async def _insert(self, items: list[Incoming]) -> None:
+        """Write one group (lock held): bounds first, then one transaction."""
+        rows = []
+        add_bytes = 0
+        for it in items:
+            if (it.route.stream, it.route.topic) not in self._route_ids:
+                await self._route_id(it.route)
+        for it in items:
+            rid = self._route_ids[(it.route.stream, it.route.topic)]
+            rows.append(
+                (
+                    rid,
+                    it.route.key,
+                    it.mqtt_topic,
+                    it.qos | (int(it.retain) << 2),
+                    it.received_us,
+                    it.device_seq,
+                    it.payload,
+                )
+            )
+            add_bytes += accounted_bytes(len(it.payload), it.mqtt_topic)
+        fit = self._fit(rows, add_bytes)
+        rows = fit.rows
+        await self._db.synchronous(self._sync_insert)
+        recent: list[tuple[str, int, int, int]] = []
+        async with self._db.transaction():
+            freed_records, freed_bytes = await self._make_room(fit)
+            if rows:
+                await self._insert_rows(
+                    "INSERT INTO outbox(route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload)",
+                    7,
+                    rows,
+                )
+                # Only QoS1/2 can come back as a broker redelivery (flags & 3 is
+                # the QoS): QoS0 records need no entry in the redelivery window.
+                recent = [
+                    (r[2], r[5], zlib.crc32(r[6]), i)
+                    for i, r in enumerate(rows)
+                    if r[5] is not None and r[3] & 3
+                ]
+                if recent:
+                    await self._remember(recent, len(rows))
+        for topic, dseq, crc, _ in recent:
+            self._recent[(topic, dseq, crc)] = None
+        while len(self._recent) > RECENT_WINDOW:
+            self._recent.popitem(last=False)
+        self.records += len(rows) - freed_records
+        self.bytes += fit.add_bytes - freed_bytes
+        self._metrics.store_committed.inc(len(rows))
+        self._report_drops(fit, freed_records)
+        self._update_gauges()
+        if rows:
+            self._data_available.set()
+
+    async def _remember(self, recent: list[tuple[str, int, int, int]], nrows: int) -> None:
+        """Persist the redelivery window entries of the rows just inserted."""
+        last_seq = await self._last_seq()
+        first = last_seq - nrows + 1
+        await self._insert_rows(
+            "INSERT OR REPLACE INTO ingest_recent(seq, mqtt_topic, device_seq, crc)",
+            4,
+            [(first + i, topic, dseq, crc) for topic, dseq, crc, i in recent],
+        )
+        self._recent_count += len(recent)
+        if self._recent_count > 2 * RECENT_WINDOW:
+            await self._conn.execute("DELETE FROM ingest_recent WHERE seq <= ?", (last_seq - RECENT_WINDOW,))
+            self._recent_count = RECENT_WINDOW
+
+    async def _insert_rows(self, head: str, ncols: int, rows: Sequence[tuple[Any, ...]]) -> None:
+        """`head` VALUES (...), (...), ...: up to ROWS_PER_INSERT rows per
+        statement, in order.  The sqlite3 module releases and re-takes the GIL
+        around every statement it steps; while ingest parses MQTT packets on the
+        loop thread each re-take can wait, so one statement per row made a large
+        group commit crawl.  Fewer, larger statements keep the commit short."""
+        n = ROWS_PER_INSERT
+        full = len(rows) // n
+        if full:
+            await self._conn.executemany(
+                _values_sql(head, ncols, n),
+                [tuple(chain.from_iterable(rows[i * n : (i + 1) * n])) for i in range(full)],
+            )
+        if len(rows) > full * n:
+            rest = rows[full * n :]
+            await self._conn.execute(_values_sql(head, ncols, len(rest)), tuple(chain.from_iterable(rest)))

@@ -1,0 +1,194 @@
+"""The outbox put together: life cycle (open, load, start, close) over the
+jobs in commit.py, reader.py, bounds.py and dead.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import aiosqlite
+
+from ..config import BufferSettings
+from ..metrics import Metrics
+from .commit import GroupCommit, _Group
+from .db import Database, StoreError
+from .reader import ReadConfirm
+from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
+from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+
+log = logging.getLogger(__name__)
+
+
+class Outbox(GroupCommit, ReadConfirm):
+    """Durable, bounded outbox with group commit.  See the package docstring."""
+
+    def __init__(self, db: Database, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> None:
+        super().__init__(db, settings, gateway_id, metrics)
+        self._pending = _Group()
+        self.recovery: list[Event] = []
+
+    # -- life cycle -------------------------------------------------------
+
+    @classmethod
+    async def open(cls, path: Path, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> Outbox:
+        """Open and load the buffer.  Every database error, at open or at
+        load, takes the same path (recovery.py): a confirmed corruption is
+        salvaged into a fresh file, anything else leaves the file in place
+        and raises `StoreError` (`StoreUnavailable` when the disk failed),
+        with the connection closed (no aiosqlite thread left behind)."""
+        db = await open_database(path, metrics)
+        recovered = False
+        while True:
+            box = cls(db, settings, gateway_id, metrics)
+            try:
+                await box._load()
+            except (sqlite3.Error, OSError) as e:
+                await db.close()
+                metrics.store_errors.inc()
+                events: list[Event] = []
+                if recovered or not await recover(path, e, metrics, events):
+                    raise as_store_error(path, e) from e
+                db = await reopen(path, metrics, events, recovered=True)
+                recovered = True
+                continue
+            except BaseException:
+                await db.close()
+                raise
+            return box
+
+    @classmethod
+    async def open_when_possible(
+        cls,
+        path: Path,
+        settings: BufferSettings,
+        gateway_id: str,
+        metrics: Metrics,
+        *,
+        stop: asyncio.Event,
+        on_failure: Callable[[StoreError | None], None] = lambda _e: None,
+        max_delay_s: float = 30.0,
+    ) -> Outbox | None:
+        """`open`, retried with capped backoff while the disk fails
+        (`StoreUnavailable`: full, I/O error): the file stays in place,
+        nothing is acknowledged meanwhile (ingest is not started, so the broker
+        keeps the messages) and the agent resumes once the disk works again.
+        `on_failure(err)` reports each failure and `on_failure(None)` the
+        success.  None when `stop` is set first; other errors raise."""
+        attempt = 0
+        while not stop.is_set():
+            try:
+                box = await cls.open(path, settings, gateway_id, metrics)
+            except StoreUnavailable as e:
+                on_failure(e)
+                delay = min(max_delay_s, 0.5 * 2**attempt)
+                attempt += 1
+                log.error(
+                    "store=failed: %s; nothing is acknowledged (the broker keeps the messages);"
+                    " retry %d in %.1fs",
+                    e,
+                    attempt,
+                    delay,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                continue
+            on_failure(None)
+            if attempt:
+                log.warning("buffer %s opened after %d failed attempts", path, attempt)
+            return box
+        return None
+
+    async def _load(self) -> None:
+        epoch = await self._meta("epoch")
+        if epoch is None:
+            epoch = str(secrets.randbits(32))
+            await self._conn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (epoch,))
+        self._epoch = int(epoch)
+        for rid, stream, topic in await self._db.fetchall("SELECT id, stream, topic FROM routes"):
+            self._route_ids[(stream, topic)] = rid
+            self._route_names[rid] = (stream, topic)
+        row = await self._db.fetchone(
+            "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
+        )
+        assert row is not None
+        self.records = int(row[0])
+        self.bytes = int(row[1]) + ROW_OVERHEAD * self.records
+        recent = await self._db.fetchall(
+            "SELECT mqtt_topic, device_seq, crc FROM ingest_recent ORDER BY seq DESC LIMIT ?",
+            (RECENT_WINDOW,),
+        )
+        for topic, dseq, crc in reversed(recent):
+            self._recent[(topic, dseq, crc)] = None
+        self._recent_count = len(recent)
+        self.recovery = await self._recovery_events()
+        self._update_gauges()
+        if self.records:
+            self._data_available.set()
+
+    async def _recovery_events(self) -> list[Event]:
+        return events_from_json(await self._meta("recovery"))
+
+    @property
+    def attention(self) -> str:
+        """What an operator must look at ("" when nothing): recovery events
+        not yet acknowledged (`iggy-edge buffer ack-salvage`)."""
+        open_events = [e for e in self.recovery if not e.acknowledged]
+        parts = []
+        for e in open_events:
+            if e.kind == "salvaged":
+                parts.append(
+                    f"damaged buffer moved aside to {e.aside}: {e.salvaged} records salvaged, "
+                    f"{e.unreadable} unreadable"
+                )
+            else:
+                parts.append(f"damaged WAL copied to {e.aside}: up to {e.frames_lost} frames may be missing")
+        if parts:
+            parts.append("acknowledge with: iggy-edge buffer ack-salvage")
+        return "; ".join(parts)
+
+    async def refresh_age_gauge(self) -> None:
+        await super().refresh_age_gauge()
+        async with self._lock:
+            self.recovery = await self._recovery_events()  # an operator may have acknowledged
+
+    def start(self) -> None:
+        self._committer = asyncio.create_task(self._commit_loop(), name="outbox-commit")
+
+    async def close(self) -> None:
+        """Commit what is pending, stop the committer and close the file."""
+        self._closed = True
+        self._wakeup.set()
+        if self._committer is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._committer
+        await self._db.close(checkpoint=True)
+
+    @property
+    def connection(self) -> aiosqlite.Connection:
+        return self._conn
+
+    @property
+    def database(self) -> Database:
+        return self._db
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def seen(self, mqtt_topic: str, device_seq: int, crc: int) -> bool:
+        """Was a record with this topic, device sequence and payload CRC
+        committed recently?  (Used for broker redeliveries only.)"""
+        return (mqtt_topic, device_seq, crc) in self._recent
+
+    def fail(self, err: StoreError) -> None:
+        """Refuse further submissions (used when the disk is gone)."""
+        self._failure = err
+
+    async def _meta(self, key: str) -> str | None:
+        row = await self._db.fetchone("SELECT value FROM meta WHERE key = ?", (key,))
+        return None if row is None else str(row[0])
