@@ -19,6 +19,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,14 +30,18 @@ from iggy_edge.uplink.file import read_records
 
 from tests.support.broker import Broker
 from tests.support.mqtt import Publisher
+from tests.support.ports import free_port
 from tests.support.tmpfs import fill_disk, small_tmpfs
 from tests.support.wait import async_wait_until
 
 AGENT = str(Path(sys.executable).with_name("iggy-edge"))
 
 
-def write_config(path: Path, state_dir: Path, broker: Broker, uplink: Path | None) -> Path:
+def write_config(
+    path: Path, state_dir: Path, broker: Broker, uplink: Path | None, metrics_port: int | None = None
+) -> Path:
     iggy = f'kind = "file"\nfile_path = "{uplink}"' if uplink is not None else 'kind = "none"'
+    metrics = f'listen = "127.0.0.1:{metrics_port}"' if metrics_port else "enabled = false"
     path.write_text(
         f"""
 gateway_id = "gw-faults"
@@ -53,7 +59,7 @@ linger_ms = 5
 backoff_initial_s = 0.05
 backoff_max_s = 0.2
 [metrics]
-enabled = false
+{metrics}
 [downlink]
 enabled = false
 """
@@ -69,6 +75,14 @@ def start(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
 def stop(proc: subprocess.Popen[bytes]) -> int:
     proc.send_signal(signal.SIGTERM)
     return proc.wait(30)
+
+
+def health(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
@@ -124,7 +138,8 @@ async def test_restart_on_a_full_disk_keeps_the_buffer_and_resumes(
     uplink = tmp_path / "uplink.jsonl"
     log = tmp_path / "agent.log"
     offline = write_config(tmp_path / "offline.toml", state, broker, None)
-    online = write_config(tmp_path / "online.toml", state, broker, uplink)
+    port = free_port()
+    online = write_config(tmp_path / "online.toml", state, broker, uplink, metrics_port=port)
 
     proc = start(offline, log)
     try:
@@ -148,6 +163,11 @@ async def test_restart_on_a_full_disk_keeps_the_buffer_and_resumes(
         assert db.exists()
         assert not [p for p in state.iterdir() if ".corrupt-" in p.name], "an intact buffer was moved aside"
         assert not forwarded(uplink)
+        # /health answers while the buffer waits for the disk, and says why
+        status, body = health(port)
+        assert status == 503
+        assert body["store"] == "failed"
+        assert "buffer cannot be opened" in str(body["attention"])
 
         filler.unlink()  # space returns
         await async_wait_until(
