@@ -193,3 +193,19 @@ async def test_missing_buffer_is_a_clear_error(tmp_path: Path) -> None:
         result = runner.invoke(app, ["buffer", *cmd, "-c", str(config)])
         assert result.exit_code == 1, cmd
         assert "no buffer database" in result.stderr, cmd
+
+
+@pytest.mark.parametrize(
+    "command", [["stats"], ["peek"], ["dead-letters"], ["dead-letters", "--json"], ["export"]]
+)
+async def test_read_commands_on_a_damaged_file_print_a_clean_error(
+    tmp_path: Path, command: list[str]
+) -> None:
+    config = await make_buffer(tmp_path, records=50)
+    db = tmp_path / "state" / "buffer.db"
+    db.write_bytes(b"this is not a database, just garbage from a bad SD card\x00" * 200)
+    result = runner.invoke(app, ["buffer", *command, "-c", str(config)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "not a database" in result.output
+    assert "Traceback" not in result.output

@@ -94,10 +94,10 @@ def test_wrong_and_right_credentials(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def tiny_tmpfs(path: Path) -> Iterator[Path]:
+def tiny_tmpfs(path: Path, size: str = "1m") -> Iterator[Path]:
     path.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
         check=False,
         capture_output=True,
         text=True,
@@ -111,10 +111,11 @@ def tiny_tmpfs(path: Path) -> Iterator[Path]:
 
 
 def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
-    with tiny_tmpfs(tmp_path / "small") as small:
+    # 16 MiB: the WAL alone grows to ~4 MB (1000 pages) before SQLite checkpoints it
+    with tiny_tmpfs(tmp_path / "small", "16m") as small:
         # Fill it: what remains is far below the buffer's bound.
         with contextlib.suppress(OSError):
-            (small / "filler").write_bytes(b"\0" * (1024 * 1024))
+            (small / "filler").write_bytes(b"\0" * (16 * 1024 * 1024))
         config = write_config(
             tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 104857600\n"
         )
@@ -128,6 +129,23 @@ def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
         # With a bound that fits, the same disk passes.
         (small / "filler").unlink()
         config.write_text(config.read_text().replace("max_bytes = 104857600", "max_bytes = 102400"))
+        code, checks, _ = doctor(config)
+        assert checks["disk"]["status"] == "ok", checks["disk"]
+
+
+def test_disk_check_counts_pages_and_the_wal_not_1_3(tmp_path: Path, broker: Broker) -> None:
+    """11 MB of records does not fit a 16 MiB disk: the file takes up to 1.32x
+    the accounted bytes (measured, 1 KiB payloads) and the WAL ~4 MB more on
+    top of a group commit; the old 1.3 factor said 14.3 MB and passed it."""
+    with tiny_tmpfs(tmp_path / "small", "16m") as small:
+        config = write_config(
+            tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 11000000\n"
+        )
+        code, checks, out = doctor(config)
+        assert code == 1
+        assert checks["disk"]["status"] == "fail", checks["disk"]
+        assert "WAL" in out
+        config.write_text(config.read_text().replace("max_bytes = 11000000", "max_bytes = 6000000"))
         code, checks, _ = doctor(config)
         assert checks["disk"]["status"] == "ok", checks["disk"]
 

@@ -23,12 +23,14 @@ from iggy_edge.runtime import Agent
 from typer.testing import CliRunner
 
 from tests.support.broker import mosquitto_binary
+from tests.support.gateway_broker import GatewayBroker
 from tests.support.ports import free_port, wait_port
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "packaging" / "deb" / "build.sh"
 UNIT_FILE = REPO / "packaging" / "systemd" / "iggy-edge.service"
 SNIPPET = REPO / "packaging" / "mosquitto" / "iggy-edge.conf"
+ACL = REPO / "packaging" / "mosquitto" / "iggy-edge.acl"
 VERSION = "0.1.0"
 runner = CliRunner()
 
@@ -182,50 +184,24 @@ def test_service_install_without_root_or_systemd_says_why() -> None:
     assert "systemd is not running on this machine" in as_root.stderr
 
 
-def test_mosquitto_snippet_is_accepted_and_refuses_anonymous(tmp_path: Path) -> None:
-    binary = mosquitto_binary()
-    assert binary is not None
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="iggy-edge-mosq-"))  # mosquitto drops to its user
-    try:
-        workdir.chmod(0o755)
-        pw = workdir / "passwd"
-        pw.touch()
-        subprocess.run(["mosquitto_passwd", "-b", str(pw), "iggy-edge", "pw-123456"], check=True)
-        pw.chmod(0o644)
-        snippet = SNIPPET.read_text().replace("listener 1883", f"listener {port} 127.0.0.1")
-        snippet = snippet.replace("/etc/mosquitto/iggy-edge.passwd", str(pw))
-        # Debian's main mosquitto.conf plus our snippet, as include_dir combines them.
-        conf = workdir / "mosquitto.conf"
-        conf.write_text(f"persistence true\npersistence_location {workdir}/\n{snippet}")
-        proc = subprocess.Popen(
-            [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            wait_port(port)
-            pub = [
-                "mosquitto_pub",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-t",
-                "edge/x/up/t",
-                "-m",
-                "1",
-                "-q",
-                "1",
-            ]
-            assert subprocess.run(pub, capture_output=True, check=False).returncode != 0
-            ok = subprocess.run(
-                [*pub, "-u", "iggy-edge", "-P", "pw-123456"], capture_output=True, check=False
-            )
-            assert ok.returncode == 0, ok.stderr
-        finally:
-            proc.terminate()
-            proc.wait(10)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+def test_mosquitto_snippet_is_accepted_and_refuses_anonymous() -> None:
+    """The packaged snippet and ACL as Mosquitto loads them (only ports and
+    paths rewritten): anonymous clients are refused on both listeners, the
+    agent's user works on its own.  The attack list: tests/test_device_identity.py."""
+    with GatewayBroker() as gw:
+        pub = ["mosquitto_pub", "-h", "127.0.0.1", "-t", "edge/x/up/t", "-m", "1", "-q", "1"]
+        for port in (gw.agent_port, gw.device_port):
+            assert subprocess.run([*pub, "-p", str(port)], capture_output=True, check=False).returncode != 0
+        agent = ["-p", str(gw.agent_port), "-u", "iggy-edge", "-P", gw.agent_password]
+        ok = subprocess.run([*pub, *agent, "-t", "edge/x/down/cmd"], capture_output=True, check=False)
+        assert ok.returncode == 0, ok.stderr
+        assert "Error" not in gw.log(), gw.log()
+    text = SNIPPET.read_text()
+    assert "acl_file /etc/mosquitto/iggy-edge.acl" in text
+    assert "use_username_as_clientid true" in text
+    assert "per_listener_settings true" in text
+    acl = ACL.read_text()
+    assert not any(line.split()[-1] == "#" for line in acl.splitlines() if line and not line.startswith("#"))
 
 
 @pytest.mark.slow
@@ -254,15 +230,22 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
         "./lib/systemd/system/iggy-edge.service",
         "./etc/iggy-edge/config.toml",
         "./etc/mosquitto/conf.d/iggy-edge.conf",
+        "./etc/mosquitto/iggy-edge.acl",
         f"./opt/iggy-edge/wheels/iggy_edge-{VERSION}-py3-none-any.whl",
         "./usr/share/doc/iggy-edge/operations.md",
+        "./usr/share/iggy-edge/device/iggy_device/node.py",
+        "./usr/share/iggy-edge/firmware_examples/env_sensor/config.json",
         "./usr/bin/iggy-edge",
     ):
         assert wanted in files, wanted
     assert any("x86_64" in f for f in files if "apache_iggy" in f)
     assert not any("/venv/" in f for f in files)  # built by postinst on the target
     conffiles = control_file(deb, "conffiles", tmp_path).split()
-    assert conffiles == ["/etc/iggy-edge/config.toml", "/etc/mosquitto/conf.d/iggy-edge.conf"]
+    assert conffiles == [
+        "/etc/iggy-edge/config.toml",
+        "/etc/mosquitto/conf.d/iggy-edge.conf",
+        "/etc/mosquitto/iggy-edge.acl",
+    ]
     postinst = control_file(deb, "postinst", tmp_path)
     assert "adduser --system" in postinst
     assert "--no-index --find-links" in postinst
@@ -314,10 +297,12 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             passwd = Path("/etc/mosquitto/iggy-edge.passwd").read_text()
             assert passwd.startswith("iggy-edge:$7$101$")
             assert secret not in passwd
-            if _has_group("mosquitto"):
-                assert (
-                    Path("/etc/mosquitto/iggy-edge.passwd").stat().st_gid == grp.getgrnam("mosquitto").gr_gid
-                )
+            devices = Path("/etc/mosquitto/iggy-edge-devices.passwd")
+            assert devices.read_text() == ""  # devices get users from `device credentials`
+            for f in (Path("/etc/mosquitto/iggy-edge.passwd"), devices):
+                if _has_group("mosquitto"):
+                    assert f.stat().st_gid == grp.getgrnam("mosquitto").gr_gid
+                    assert f.stat().st_mode & 0o777 == 0o640
             assert Path("/etc/systemd/system/multi-user.target.wants/iggy-edge.service").is_symlink()
             if shutil.which("systemd-analyze"):
                 verify = subprocess.run(
@@ -328,6 +313,35 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
                 )
                 assert verify.returncode == 0, verify.stderr
             _generated_credentials_work(secret)
+            # provisioning works from the installed package alone: it finds the
+            # device sources and mpremote, and gets as far as the (absent) board
+            prov = subprocess.run(
+                [
+                    "/usr/bin/iggy-edge",
+                    "device",
+                    "provision",
+                    "--port",
+                    "/dev/ttyIGGYNOPE0",
+                    "--example",
+                    "env_sensor",
+                    "--device-id",
+                    "env-01",
+                    "--wifi-ssid",
+                    "lab",
+                    "--broker",
+                    "192.168.1.10",
+                    "--wifi-password-env",
+                    "W",
+                    "--mqtt-password-env",
+                    "M",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin", "W": "wifi-pw", "M": "mqtt-password-123"},
+            )
+            assert "no board on /dev/ttyIGGYNOPE0" in prov.stderr, prov.stdout + prov.stderr
 
             # -- remove: program gone, configuration and buffer kept
             done = subprocess.run(["dpkg", "-r", "iggy-edge"], capture_output=True, text=True, check=False)
@@ -347,6 +361,8 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             "/etc/iggy-edge",
             "/var/lib/iggy-edge",
             "/etc/mosquitto/iggy-edge.passwd",
+            "/etc/mosquitto/iggy-edge-devices.passwd",
+            "/etc/mosquitto/iggy-edge.acl",
             "/etc/mosquitto/conf.d/iggy-edge.conf",
             "/lib/systemd/system/iggy-edge.service",
             "/etc/systemd/system/multi-user.target.wants/iggy-edge.service",
@@ -375,9 +391,13 @@ def _generated_credentials_work(secret: str) -> None:
         workdir.chmod(0o755)
         snippet = Path("/etc/mosquitto/conf.d/iggy-edge.conf").read_text()
         conf = workdir / "mosquitto.conf"
+        # the agent's listener as installed (its password file and the ACL);
+        # the devices' listener moved to a free port
         conf.write_text(
             f"persistence true\npersistence_location {workdir}/\n"
-            + snippet.replace("listener 1883", f"listener {port} 127.0.0.1")
+            + snippet.replace("listener 1884 127.0.0.1", f"listener {port} 127.0.0.1").replace(
+                "listener 1883\n", f"listener {free_port()} 127.0.0.1\n"
+            )
         )
         proc = subprocess.Popen(
             [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -391,7 +411,7 @@ def _generated_credentials_work(secret: str) -> None:
                 "-p",
                 str(port),
                 "-t",
-                "t",
+                "edge/d1/down/cmd",
                 "-m",
                 "1",
                 "-u",

@@ -12,13 +12,14 @@ import base64
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import BufferSettings
 from .routing import Rejected, Router
-from .store.db import BufferBusy, StoreError, exclusive, ro_connect, sync_transaction
+from .store.db import BufferBusy, NoDatabase, StoreError, exclusive, ro_connect, sync_transaction
+from .store.recovery import Event, acknowledge, read_events
 from .store.schema import COUNT_DROP_SQL, ROW_OVERHEAD, accounted_bytes, device_seq_of
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DeadLetter",
     "ReplayResult",
     "StoredRecord",
+    "ack_salvage",
     "count_rows",
     "exclusive",
     "iter_records",
@@ -60,6 +62,11 @@ class BufferStats:
     dead_letters_by_reason: dict[str, int]
     drops_by_reason: dict[str, int]
     file_bytes: int
+    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery.py)
+
+    @property
+    def unacknowledged(self) -> list[Event]:
+        return [e for e in self.recovery if not e.acknowledged]
 
     def as_dict(self) -> dict[str, Any]:
         age = None if self.oldest_received_us is None else time.time() - self.oldest_received_us / 1e6
@@ -72,6 +79,7 @@ class BufferStats:
             "dead_letters_by_reason": self.dead_letters_by_reason,
             "drops_by_reason": self.drops_by_reason,
             "file_bytes": self.file_bytes,
+            "recovery": [asdict(e) for e in self.recovery],
         }
 
 
@@ -88,6 +96,7 @@ def read_stats(path: Path) -> BufferStats:
         newest = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
         by_reason = dict(conn.execute("SELECT reason, count(*) FROM dead_letters GROUP BY reason").fetchall())
         drops = dict(conn.execute("SELECT reason, count FROM drops").fetchall())
+        recovery = read_events(conn)
     except sqlite3.DatabaseError as e:
         raise StoreError(f"{path}: {e}") from e
     finally:
@@ -102,6 +111,7 @@ def read_stats(path: Path) -> BufferStats:
         dead_letters_by_reason={str(k): int(v) for k, v in by_reason.items()},
         drops_by_reason={str(k): int(v) for k, v in drops.items()},
         file_bytes=file_bytes,
+        recovery=recovery,
     )
 
 
@@ -113,6 +123,8 @@ def read_dead_letters(path: Path, limit: int = 100) -> list[DeadLetter]:
             " FROM dead_letters ORDER BY id DESC LIMIT ?",
             (limit,),
         ).fetchall()
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path}: {e}") from e
     finally:
         conn.close()
     return [
@@ -314,6 +326,22 @@ def replay_dead_letters(
         if progress is not None:
             progress(len(rows))
     return result
+
+
+def ack_salvage(path: Path) -> int:
+    """Acknowledge the recovery events (a damaged buffer moved aside and
+    salvaged, a damaged WAL copied aside): health stops showing them.  Works
+    beside the running agent (a short write transaction; it re-reads the
+    events every few seconds).  Returns how many were open."""
+    if not path.exists():
+        raise NoDatabase(f"{path}: no buffer database (has the agent run yet?)")
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+    try:
+        return acknowledge(conn)
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path}: {e}") from e
+    finally:
+        conn.close()
 
 
 def count_rows(path: Path, table: str) -> int:

@@ -11,8 +11,11 @@ Failures: `UplinkUnavailable` (nothing left the agent) and `UplinkRejected`
 are retried with capped, full-jitter exponential backoff; the records stay
 in the outbox meanwhile and ingest goes on.  `UplinkAmbiguous` (the request
 may have been stored) is retried the same way and the records it covers are
-counted in `iggy_edge_forward_ambiguous_retries_total`: those are the only
-source of duplicates in Iggy, and they carry the same message ids.
+counted in `iggy_edge_forward_ambiguous_retries_total`.  The other source of
+duplicates: Iggy confirmed a batch but deleting it from the outbox failed
+(disk error); the forwarder stage fails and is restarted, and the batch goes
+out again -- counted in `iggy_edge_forward_resent_records_total`.  Both
+carry the same message ids.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .backoff import backoff_delay
 from .config import ForwardSettings
 from .logs import RateLimitedLog
 from .metrics import Metrics
+from .records import OutboundRecord
 from .stages import OutboxReader
 from .uplink.protocol import Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
 
@@ -44,6 +48,9 @@ class Forwarder:
         self._stopping = asyncio.Event()
         self._started = False
         self._failures = 0
+        # Seqs Iggy has confirmed whose delete from the outbox has not yet
+        # succeeded; kept across a restart of run() by the supervisor.
+        self._undeleted: frozenset[int] = frozenset()
         self.up = asyncio.Event()
         self.down_since: float | None = None
 
@@ -61,18 +68,37 @@ class Forwarder:
             batch = await self._outbox.read_batch(self._settings.batch_records, self._settings.batch_bytes)
             if not batch:
                 continue
+            self._count_resent(batch)
             started = time.perf_counter()
             try:
                 await self._uplink.send(batch)
             except UplinkError as e:
                 if e.confirmed:
+                    self._undeleted = e.confirmed
                     await self._account(await self._outbox.confirm(batch, e.confirmed), 0)
+                    self._undeleted = frozenset()
                 self._on_failure(e, len(batch) - len(e.confirmed))
                 await self._backoff()
                 continue
             self._metrics.forward_send_seconds.observe(time.perf_counter() - started)
+            self._undeleted = frozenset(r.seq for r in batch)
             await self._account(await self._outbox.confirm(batch), 1)
+            self._undeleted = frozenset()
             self._on_success()
+
+    def _count_resent(self, batch: list[OutboundRecord]) -> None:
+        """Records Iggy already has (their delete failed) that go out again."""
+        if not self._undeleted:
+            return
+        again = sum(1 for r in batch if r.seq in self._undeleted)
+        if again:
+            self._metrics.forward_resent.inc(again)
+            self._limited.warning(
+                "resent",
+                "re-sending %d records Iggy already confirmed (deleting them from the outbox failed);"
+                " same message ids",
+                again,
+            )
 
     async def _start_uplink(self) -> bool:
         try:

@@ -22,13 +22,14 @@
   we announce; while they wait for the commit the broker sends no more.  Work
   in flight (records and dead letters waiting for their commit) is also
   bounded by count and bytes: at READ_PAUSE_AT messages or READ_PAUSE_BYTES
-  of payload ingest stops reading the socket and TCP holds the rest in the
+  of payload (the outbox's `pending_bytes`) ingest stops reading the socket and TCP holds the rest in the
   broker (a receive maximum of 2,000 x 256 KiB would otherwise be 512 MB
   here).  QoS0 messages, dead letters included, beyond QOS0_PENDING_LIMIT /
   QOS0_PENDING_BYTES in flight are dropped and counted (QoS0 is best effort
   by definition).
-* Dead letters are written in groups by one task (a flood of bad messages
-  costs one commit per group, not a task and a commit per message).
+* Dead letters join the outbox's dead-letter groups synchronously
+  (`enqueue_dead_letter`): a flood of bad messages costs no task per message
+  and one commit per group.
 * Redelivery: a message the broker re-sends (DUP) that we had already
   committed (we died between commit and PUBACK) is recognised by (topic,
   device sequence, payload CRC) and acknowledged without a second record, so
@@ -51,6 +52,7 @@ import contextlib
 import logging
 import sqlite3
 import time
+import weakref
 import zlib
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -68,7 +70,6 @@ from .metrics import Metrics
 from .mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .routing import Rejected, Router
 from .store import Incoming, Outbox, StoreError, device_seq_of
-from .store.dead import DeadLetter
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +84,12 @@ READ_PAUSE_AT: Final = 10_000
 # flood's peak RSS follows this bound plus the SQLite statement copies).
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 QOS0_PENDING_BYTES: Final = 2 * READ_PAUSE_BYTES
-DEAD_LETTER_GROUP: Final = 500
 SESSION_META_KEY: Final = "mqtt_session_client_id"
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
 _Ack = tuple[hooks.Connection, int, int, "str | bytes", bytes]
 _ACK_CMD: Final = (0, codec.PUBACK, codec.PUBREC)
-
-
-class _DeadLetterGroup(asyncio.Future[None]):
-    """The commit of a group of dead letters (observers skip these)."""
 
 
 class Ingest:
@@ -126,15 +122,13 @@ class Ingest:
         # commit of the group they belong to.
         self._ack_future: asyncio.Future[Any] | None = None
         self._ack_list: list[_Ack] = []
-        # Payload bytes of the messages counted in _handlers; reads wait on
-        # _resume while either is over its bound.
-        self._inflight_bytes = 0
+        # Reads wait on _resume while READ_PAUSE_AT messages are in flight
+        # (payload bytes in flight are the outbox's pending_bytes).
         self._resume = asyncio.Event()
         self._resume.set()
         self._trim_due = False  # a flood of bytes went through: trim the heap once it is over
-        self._dead_queue: list[DeadLetter] = []
-        self._dead_future: _DeadLetterGroup | None = None
-        self._dead_writer: asyncio.Task[None] | None = None
+        # The commit futures of dead-letter groups (observers skip those).
+        self._dead_groups: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
         self._session_present = False
         self._had_session = False
         self.sessions_lost = 0
@@ -272,11 +266,18 @@ class Ingest:
 
         Waiting inside gmqtt's `read` lets its buffer fill, the transport
         pause and TCP push back, so the backlog stays in the broker."""
-        if self._handlers < READ_PAUSE_AT and self._inflight_bytes < READ_PAUSE_BYTES:
+        if self._handlers < READ_PAUSE_AT and self._outbox.pending_bytes < READ_PAUSE_BYTES:
             return None
         self._metrics.ingest_read_pauses.inc()
-        self._resume.clear()
-        return self._resume.wait()
+        return self._room()
+
+    async def _room(self) -> None:
+        if self._outbox.pending_bytes >= READ_PAUSE_BYTES:
+            self._trim_due = True
+        while self._handlers >= READ_PAUSE_AT:
+            self._resume.clear()
+            await self._resume.wait()
+        await self._outbox.wait_pending_below(READ_PAUSE_AT, max_bytes=READ_PAUSE_BYTES)
 
     def hook_error(self, exc: Exception) -> None:
         """A PUBLISH could not be handled (a bug, not bad input: bad input is a
@@ -307,10 +308,6 @@ class Ingest:
         self._stopping.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), drain_timeout)
-        if self._dead_writer is not None and not self._dead_writer.done():
-            self._dead_writer.cancel()  # unacknowledged: the broker redelivers them
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._dead_writer
         if self._client is not None:
             await self._close_client(self._client)
             self._client = None
@@ -346,23 +343,31 @@ class Ingest:
         self._rx[qos] += 1
         self._rx_bytes += len(payload)
         route = self._router.route(topic, len(payload))
-        if qos == 0 and (self._handlers >= QOS0_PENDING_LIMIT or self._inflight_bytes >= QOS0_PENDING_BYTES):
+        if qos == 0 and (
+            self._handlers >= QOS0_PENDING_LIMIT or self._outbox.pending_bytes >= QOS0_PENDING_BYTES
+        ):
             self._metrics.dropped.labels("qos0_queue_full").inc()
             self._flush_counts()
             self._limited.warning(
                 "qos0-full",
                 "QoS0 message dropped: %d messages (%d bytes) wait for commit",
                 self._handlers,
-                self._inflight_bytes,
+                self._outbox.pending_bytes,
             )
             return None
         if isinstance(route, Rejected):
             self._flush_counts()
-            return self._queue_dead_letter(
-                DeadLetter(
-                    topic, payload, len(payload), qos, retain, route.reason.value, route.detail, received_us
-                )
+            done = self._outbox.enqueue_dead_letter(
+                mqtt_topic=topic,
+                payload=payload,
+                qos=qos,
+                retain=retain,
+                reason=route.reason.value,
+                detail=route.detail,
+                received_us=received_us,
             )
+            self._dead_groups.add(done)
+            return done
         assert isinstance(topic, str)  # a bytes topic never routes
         dseq = device_seq_of(payload)
         if properties.get("dup") and dseq is not None and self._outbox.seen(topic, dseq, zlib.crc32(payload)):
@@ -435,9 +440,6 @@ class Ingest:
 
     def _ack_after(self, done: asyncio.Future[Any], ack: _Ack) -> None:
         self._handlers += 1
-        self._inflight_bytes += len(ack[4])
-        if self._inflight_bytes >= READ_PAUSE_BYTES:
-            self._trim_due = True
         self._idle.clear()
         if done is self._ack_future and not done.done():
             self._ack_list.append(ack)
@@ -449,20 +451,19 @@ class Ingest:
     def _acknowledge(self, acks: list[_Ack], done: asyncio.Future[Any]) -> None:
         self._flush_counts()
         self._handlers -= len(acks)
-        self._inflight_bytes -= sum([len(a[4]) for a in acks])
         if self._handlers == 0:
             self._idle.set()
             if self._trim_due:
                 self._trim_due = False
                 heap.trim()
-        if self._handlers < READ_PAUSE_AT and self._inflight_bytes < READ_PAUSE_BYTES:
+        if self._handlers < READ_PAUSE_AT:
             self._resume.set()
         if done.cancelled() or done.exception() is not None:
             # Commit failed: acknowledge nothing, so the broker keeps the
             # messages and redelivers them on the next session.
             self._store_broken.set()
             return
-        if self.observers and not isinstance(done, _DeadLetterGroup):
+        if self.observers and done not in self._dead_groups:
             for _, _, _, topic, payload in acks:
                 if isinstance(topic, str):
                     for observe in self.observers:
@@ -478,29 +479,3 @@ class Ingest:
                 conn, out = c, []
             out.append(ack(cmd, mid))
         hooks.write(conn, b"".join(out))
-
-    def _queue_dead_letter(self, item: DeadLetter) -> asyncio.Future[Any]:
-        """Queue a dead letter for the next group (synchronous, no task of its
-        own) and return the future of that group's commit."""
-        if self._dead_future is None:
-            self._dead_future = _DeadLetterGroup()
-            if self._dead_writer is None or self._dead_writer.done():
-                self._dead_writer = asyncio.create_task(
-                    self._write_dead_letters(), name="ingest-dead-letters"
-                )
-        self._dead_queue.append(item)
-        return self._dead_future
-
-    async def _write_dead_letters(self) -> None:
-        while self._dead_future is not None:
-            await asyncio.sleep(0)  # the rest of this read's packets join the group
-            group, done = self._dead_queue, self._dead_future
-            self._dead_queue, self._dead_future = [], None
-            try:
-                for i in range(0, len(group), DEAD_LETTER_GROUP):
-                    await self._outbox.dead_letters(group[i : i + DEAD_LETTER_GROUP])
-            except StoreError as e:
-                done.set_exception(e)  # nothing acknowledged: the broker keeps them
-                done.exception()
-            else:
-                done.set_result(None)

@@ -90,6 +90,24 @@ class Metrics:
             registry=r,
         )
         self.store_errors = Counter("iggy_edge_store_errors", "SQLite errors", registry=r)
+        # damaged buffers (store/recovery.py)
+        self.store_moved_aside = Counter(
+            "iggy_edge_store_moved_aside", "Damaged buffer files moved aside", registry=r
+        )
+        self.store_salvaged = Counter(
+            "iggy_edge_store_salvaged_records", "Records salvaged from a damaged buffer", registry=r
+        )
+        self.store_unreadable = Counter(
+            "iggy_edge_store_unreadable_records",
+            "Records that could not be read from a damaged buffer",
+            registry=r,
+        )
+        self.store_wal_damaged = Counter(
+            "iggy_edge_store_wal_damaged", "WAL files with a damaged header (copied aside)", registry=r
+        )
+        self.store_wal_frames_lost = Counter(
+            "iggy_edge_store_wal_lost_frames", "WAL frames SQLite ignored behind a damaged header", registry=r
+        )
         # forward
         self.forwarded = Counter("iggy_edge_forward_records", "Records confirmed by Iggy", registry=r)
         self.forward_batches = Counter("iggy_edge_forward_batches", "Batches confirmed by Iggy", registry=r)
@@ -97,6 +115,11 @@ class Metrics:
         self.forward_ambiguous_retries = Counter(
             "iggy_edge_forward_ambiguous_retries",
             "Records re-sent after an ambiguous failure (possible duplicates, same ids)",
+            registry=r,
+        )
+        self.forward_resent = Counter(
+            "iggy_edge_forward_resent_records",
+            "Records sent again because their delete after a confirmed send failed (same ids)",
             registry=r,
         )
         self.forward_send_seconds = Histogram(

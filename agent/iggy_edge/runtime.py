@@ -43,7 +43,7 @@ from .ingest import Ingest
 from .metrics import Metrics
 from .routing import Router
 from .stages import DeadLetterSink, IngestObserver
-from .store import Outbox
+from .store import Outbox, StoreError
 from .systemd import systemd_notify
 from .uplink.factory import make_command_source, make_uplink
 from .uplink.protocol import CommandSource, Uplink
@@ -64,6 +64,7 @@ class Health:
     ingest: str
     store: str
     uplink: str
+    attention: str = ""  # e.g. a damaged buffer moved aside, until acknowledged (store/recovery.py)
     # Connects where the broker had forgotten the agent's session (ingest.py)
     mqtt_sessions_lost: int = 0
 
@@ -79,6 +80,12 @@ Component = Callable[["Agent"], Awaitable[None]]
 # What build_agent runs beside the stages; each returns at once when its
 # settings turn it off (metrics.enabled, no $NOTIFY_SOCKET, no command source).
 COMPONENTS: tuple[Component, ...] = (http_endpoint, systemd_notify, return_path)
+
+# Components that need no open buffer start before it is opened, so /health
+# answers ("store failed") and systemd gets READY (after its capped wait) and
+# watchdog pings while a full or failing disk keeps the buffer shut; the others
+# (the return path) start with the stages.
+BEFORE_STORE: frozenset[Component] = frozenset({http_endpoint, systemd_notify})
 
 
 def build_agent(
@@ -125,6 +132,7 @@ class Agent:
         self.forwarder: Forwarder | None = None
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
+        self._store_problem: str | None = None  # why the buffer cannot be opened yet
 
     def stop(self) -> None:
         self._stop.set()
@@ -154,10 +162,11 @@ class Agent:
         """Wait until the outbox is open, the stages run and ingest has its
         MQTT session: True, or False when `timeout` passed first (the broker
         is away; ingest keeps retrying)."""
-        await self.ready.wait()
-        assert self.ingest is not None
+        deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(self.ingest.connected.wait(), timeout)
+            await asyncio.wait_for(self.ready.wait(), timeout)  # the buffer may wait for a failing disk
+            assert self.ingest is not None
+            await asyncio.wait_for(self.ingest.connected.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             return False
         return True
@@ -165,7 +174,10 @@ class Agent:
     def health(self) -> Health:
         ingest = "up" if self.ingest is not None and self.ingest.connected.is_set() else "down"
         broken = self.ingest is not None and self.ingest.store_broken
-        store = "ok" if self.outbox is not None and not broken else "failed"
+        if self.outbox is None:
+            store = "opening" if self._store_problem is None else "failed"
+        else:
+            store = "failed" if broken else "ok"
         if self.uplink is None or self.forwarder is None:
             uplink = "none"
             uplink_ok = True
@@ -176,12 +188,39 @@ class Agent:
             down_for = time.time() - self.forwarder.down_since
             uplink = f"down for {down_for:.0f}s"
             uplink_ok = down_for < self.settings.metrics.uplink_down_unhealthy_s
+        attention = self.outbox.attention if self.outbox is not None else (self._store_problem or "")
         lost = 0 if self.ingest is None else self.ingest.sessions_lost
-        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink, lost)
+        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink, attention, lost)
 
     async def run(self) -> None:
+        early = [self._start_component(c) for c in self.components if c in BEFORE_STORE]
+        try:
+            await self._run_stages([c for c in self.components if c not in BEFORE_STORE])
+        finally:
+            for t in early:
+                t.cancel()
+            await asyncio.gather(*early, return_exceptions=True)
+
+    def _start_component(self, comp: Component) -> asyncio.Task[None]:
+        name = getattr(comp, "__name__", "component")
+        return asyncio.create_task(self._supervise(name, lambda: comp(self)), name=name)
+
+    def _on_store_failure(self, err: StoreError | None) -> None:
+        self._store_problem = None if err is None else f"buffer cannot be opened: {err}"
+
+    async def _run_stages(self, components: list[Component]) -> None:
         s = self.settings
-        self.outbox = outbox = await Outbox.open(s.buffer_path, s.buffer, s.gateway_id, self.metrics)
+        outbox = await Outbox.open_when_possible(
+            s.buffer_path,
+            s.buffer,
+            s.gateway_id,
+            self.metrics,
+            stop=self._stop,
+            on_failure=self._on_store_failure,
+        )
+        if outbox is None:
+            return  # stopped while the disk was failing; nothing was acknowledged
+        self.outbox = outbox
         outbox.start()
         log.info(
             "outbox %s: %d records buffered (%d bytes), synchronous=%s, overflow=%s",
@@ -205,7 +244,7 @@ class Agent:
                         self._supervise("forward", self.forwarder.run), name="forward"
                     )
                 others = [tg.create_task(self._supervise("housekeeping", self._housekeeping))]
-                for comp in self.components:
+                for comp in components:
                     name = getattr(comp, "__name__", "component")
                     others.append(
                         tg.create_task(self._supervise(name, lambda c=comp: c(self)), name=name)  # type: ignore[misc]

@@ -10,8 +10,11 @@ DEFAULTS = {
     "device_id": None,
     "broker": None,
     "port": 1883,
-    "user": None,
-    "password": None,
+    "user": None,  # MQTT user: the device id unless provisioning chose another
+    "password": None,  # in config.local.json
+    "tls": False,  # TLS to the broker, verified with ca_file
+    "ca_file": None,  # the gateway CA certificate (DER), e.g. "ca.der"
+    "tls_hostname": None,  # name checked against the broker's certificate (default: broker)
     "keepalive": 60,
     "clean_session": False,  # broker keeps commands queued while we sleep
     "wifi_ssid": None,
@@ -26,6 +29,10 @@ DEFAULTS = {
     "seq_block": 64,
     "backoff_base_ms": 1000,
     "backoff_max_ms": 60000,
+    # after "not authorized" (CONNACK 4/5): retrying soon cannot help until
+    # someone fixes the credentials, so wait longer (still capped)
+    "auth_backoff_base_ms": 30000,
+    "auth_backoff_max_ms": 900000,
     "socket_timeout_s": 10,
     "drain_per_poll": 32,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
@@ -61,6 +68,8 @@ class Config:
             "seq_block",
             "backoff_base_ms",
             "backoff_max_ms",
+            "auth_backoff_base_ms",
+            "auth_backoff_max_ms",
             "period_ms",
             "cycles",
             "wdt_ms",
@@ -73,6 +82,10 @@ class Config:
         ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")
+        if merged["tls"] and not (isinstance(merged["ca_file"], str) and merged["ca_file"]):
+            raise ConfigError("tls needs ca_file: the gateway CA certificate (iggy-edge device provision --tls)")
+        if merged["user"] is not None and merged["password"] is None:
+            raise ConfigError("user is set but password is not (config.local.json)")
         for k in merged:
             setattr(self, k, merged[k])
         self.app = merged.get("app") or {}

@@ -34,6 +34,11 @@ from . import fsutil
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
 # AssertionError on an unexpected packet.
 NET_ERRORS = (OSError, MQTTException, IndexError, AssertionError)
+# CONNACK return codes (MQTT 3.1.1: 4 bad user name or password, 5 not
+# authorized; MQTT 5 reason codes 0x86 / 0x87 likewise): the broker will keep
+# refusing until the credentials change, so these get their own message,
+# counter and a longer backoff.
+AUTH_REFUSED = (4, 5, 0x86, 0x87)
 
 _INBOX_MAX = 16
 _RTC_MAGIC = "ie1"
@@ -52,12 +57,15 @@ class _Wire:
       reading (or closes), which also saves lwIP buffers on the ESP32.
     """
 
-    def __init__(self, sock, timeout_s, size=384):
+    def __init__(self, sock, timeout_s, size=384, raw=None):
         self._s = sock
+        # timeouts live on the TCP socket (a TLS socket reads through it and
+        # has no settimeout of its own)
+        self._raw = raw if raw is not None else sock
         self._t = timeout_s
         self._buf = bytearray(size)
         self._n = 0
-        sock.settimeout(timeout_s)
+        self._raw.settimeout(timeout_s)
 
     def write(self, buf, n=None):
         if isinstance(buf, str):
@@ -85,7 +93,7 @@ class _Wire:
 
     def setblocking(self, flag):
         self.flush()  # while still blocking-with-timeout: never a short write
-        self._s.settimeout(self._t if flag else 0)
+        self._raw.settimeout(self._t if flag else 0)
 
     def close(self):
         try:
@@ -113,6 +121,10 @@ class Device:
             self.seq.resume(self.wake["seq"])
         self.reset_cause = hw.reset_cause()
         self.backoff = Backoff(cfg.backoff_base_ms, cfg.backoff_max_ms)
+        self.auth_backoff = Backoff(cfg.auth_backoff_base_ms, cfg.auth_backoff_max_ms)
+        self._tls = None
+        if cfg.tls:
+            self._tls = _make_tls(cfg)
         self._client = None
         self._next_try = time.ticks_ms()
         self._last_tx = self._next_try
@@ -133,6 +145,7 @@ class Device:
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
+            "auth_failures": 0,
             "sent": 0,
             "buffered": 0,
             "commands": 0,
@@ -340,12 +353,12 @@ class Device:
                 if cfg.ntp and self.hw.unix_time() is None:
                     self.hw.sync_clock()
             stage = "mqtt"
-            c = MQTTClient(cfg.device_id, cfg.broker, cfg.port, cfg.user, cfg.password, cfg.keepalive)
+            c = self._new_client()
             c.set_callback(self._on_msg)
             c.set_last_will(self._t_status, b"offline", True, 1)
             try:
                 c.connect(cfg.clean_session)
-                c.sock = _Wire(c.sock, cfg.socket_timeout_s)
+                c.sock = _Wire(c.sock, cfg.socket_timeout_s, raw=self._tls.raw if self._tls else None)
                 c.publish(self._t_status, b"online", True, 1)
                 c.subscribe(self._t_cmd, 1)
                 c.subscribe(self._t_config, 1)
@@ -354,6 +367,19 @@ class Device:
                 raise
         except NET_ERRORS as e:
             self.stats["conn_failures"] += 1
+            if stage == "mqtt" and _refused_login(e):
+                self.stats["auth_failures"] += 1
+                delay = self.auth_backoff.next_ms()
+                self._next_try = time.ticks_add(time.ticks_ms(), delay)
+                self.log(
+                    "mqtt: not authorized (CONNACK " + str(e.args[0]) + ") as user",
+                    repr(cfg.user or cfg.device_id),
+                    "- check user/password in config.local.json and the gateway's"
+                    " `iggy-edge device credentials list`; retry in",
+                    delay,
+                    "ms",
+                )
+                return False
             delay = self.backoff.next_ms()
             self._next_try = time.ticks_add(time.ticks_ms(), delay)
             self.log(stage, "connect failed:", repr(e), "retry in", delay, "ms")
@@ -361,6 +387,7 @@ class Device:
         self._client = c
         self._last_tx = time.ticks_ms()
         self.backoff.reset()
+        self.auth_backoff.reset()
         self.stats["connects"] += 1
         self._reported_dropped = -1  # announce ourselves with a diag message
         self.log("connected to", cfg.broker, "buffered", len(self.ring))
@@ -373,6 +400,18 @@ class Device:
         self.ring.flush()
         delay = self.backoff.next_ms()
         self._next_try = time.ticks_add(time.ticks_ms(), delay)
+
+    def _new_client(self):
+        cfg = self.cfg
+        user = cfg.user
+        if user is None and cfg.password is not None:
+            user = cfg.device_id  # the gateway's convention: the device id is the MQTT user
+        args = (cfg.device_id, cfg.broker, cfg.port, user, cfg.password, cfg.keepalive)
+        if self._tls is None:
+            return MQTTClient(*args)
+        from . import tlsconn
+
+        return tlsconn.client(MQTTClient, args, self._tls)
 
     # -- incoming -----------------------------------------------------------------
     def _on_msg(self, topic, msg):
@@ -458,6 +497,19 @@ class Device:
 
     def _save_rtc(self):
         self.hw.rtc_save(json.dumps(self.wake).encode())
+
+
+def _refused_login(err):
+    return isinstance(err, MQTTException) and len(err.args) > 0 and err.args[0] in AUTH_REFUSED
+
+
+def _make_tls(cfg):
+    from . import tlsconn
+
+    cadata = fsutil.read(cfg.ca_file)
+    if not cadata:
+        raise OSError("tls: cannot read the gateway CA certificate " + cfg.ca_file)
+    return tlsconn.Tls(cadata, cfg.tls_hostname or cfg.broker, cfg.socket_timeout_s)
 
 
 def _close(client):

@@ -70,11 +70,23 @@ for pyver in $pythons; do
     --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "$self_wheel"
 done
 echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
+# `iggy-edge device provision` on the gateway: mpremote (pure Python, with
+# pyserial) talks to the board; the device library and the examples it
+# copies are in /usr/share/iggy-edge.
+for pyver in $pythons; do
+  "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
+    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "mpremote>=1.22"
+done
 
 # Files the package installs.
 install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
+install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.acl" "$root/etc/mosquitto/iggy-edge.acl"
+for f in "$repo"/device/manifest.py "$repo"/device/iggy_device/*.py "$repo"/firmware_examples/*/*.py \
+  "$repo"/firmware_examples/*/config.json; do
+  install -D -m 0644 "$f" "$root/usr/share/iggy-edge/${f#"$repo"/}"
+done
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
 install -D -m 0644 "$repo/docs/config.md" "$root/usr/share/doc/iggy-edge/config.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
@@ -87,7 +99,8 @@ installed_kb=$(du -sk --exclude=DEBIAN "$root" | cut -f1)
 installed_kb=$((installed_kb + 60000))  # the venv postinst unpacks next to the wheels
 sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@INSTALLED_SIZE@/$installed_kb/" \
   "$here/control.in" > "$root/DEBIAN/control"
-printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf > "$root/DEBIAN/conffiles"
+printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf /etc/mosquitto/iggy-edge.acl \
+  > "$root/DEBIAN/conffiles"
 for script in postinst prerm postrm; do
   sed -e "s/@VERSION@/$version/" "$here/$script" > "$root/DEBIAN/$script"
   chmod 0755 "$root/DEBIAN/$script"

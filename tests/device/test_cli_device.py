@@ -198,3 +198,22 @@ def test_port_list_parsing_marks_esp32_bridges() -> None:
     ports = device.parse_port_list(out)
     assert ports[0].bridge == "Silicon Labs CP210x"
     assert ports[1].bridge == ""
+
+
+# -- identity --------------------------------------------------------------------------
+def test_identity_problems_are_reported_before_touching_the_port(tmp_path: Path) -> None:
+    env = {"W": SECRET}
+    base = ("--port", "/dev/ttyIGGYNOPE0", "--wifi-password-env", "W")
+    code, out = _provision(*base, "--tls", "--ca-cert", str(tmp_path / "ca.der"), env=env)
+    assert code == 1
+    assert f"no gateway CA certificate at {tmp_path / 'ca.der'}" in out
+    assert "device ca init --san 10.0.0.2" in out
+    code, out = _provision(*base, "--mqtt-user", "iggy-edge-gw1", env=env)
+    assert code == 1
+    assert "reserved" in out
+    code, out = _provision(*base, "--mqtt-password-env", "IGGY_NO_SUCH_VAR", env=env)
+    assert code == 1
+    assert "IGGY_NO_SUCH_VAR is not set" in out
+    code, out = _provision(*base, "--mqtt-password-env", "W", env=env)
+    assert "no board on /dev/ttyIGGYNOPE0" in out  # identity fine: on to the board
+    assert SECRET not in out

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..buffer_admin import (
+    ack_salvage,
     count_rows,
     exclusive,
     iter_records,
@@ -62,6 +63,35 @@ def stats(
     )
     drops = ", ".join(f"{k}: {v}" for k, v in sorted(st.drops_by_reason.items()) if v)
     typer.echo(f"dropped       {drops or 'none'}")
+    for ev in st.recovery:
+        state = "acknowledged" if ev.acknowledged else "NOT acknowledged (iggy-edge buffer ack-salvage)"
+        when = datetime.datetime.fromtimestamp(ev.at).isoformat(timespec="seconds")
+        if ev.kind == "salvaged":
+            typer.secho(
+                f"salvaged      {when}: damaged buffer moved aside to {ev.aside};"
+                f" {ev.salvaged} records salvaged,"
+                f" {ev.unreadable} unreadable, {ev.dead_letters} to dead letters ({ev.detail}); {state}",
+                fg=None if ev.acknowledged else typer.colors.YELLOW,
+            )
+        else:
+            typer.secho(
+                f"damaged WAL   {when}: copied to {ev.aside}; up to {ev.frames_lost} frames of recent commits"
+                f" may be missing ({ev.detail}); {state}",
+                fg=None if ev.acknowledged else typer.colors.YELLOW,
+            )
+
+
+@app.command("ack-salvage")
+def ack_salvage_cmd(config: ConfigOption = DEFAULT_CONFIG) -> None:
+    """Acknowledge that a damaged buffer was moved aside and salvaged (or a
+    damaged WAL copied aside): health stops showing it.  Look at `buffer stats`
+    first; the moved file stays where it is for inspection."""
+    settings = load_or_exit(config)
+    try:
+        n = ack_salvage(settings.buffer_path)
+    except StoreError as e:
+        raise fail(str(e)) from None
+    typer.echo(f"acknowledged {n} recovery event(s)" if n else "nothing to acknowledge")
 
 
 # -- peek, export, purge, dead letters (ops) -----------------------------------

@@ -1,13 +1,17 @@
-"""`iggy-edge device ...`: put the device library and an example on a board.
+"""`iggy-edge device ...`: put the device library and an example on a board,
+with its identity.
 
 Everything on the board goes through `mpremote` (a subprocess per step, so a
 failure names the step).  The host side is prepared first in a temporary
 staging directory: the generated config.json, the git-ignored
-config.local.json with the WiFi password (read from an environment variable
-or a hidden prompt, never from the command line, never logged), and .mpy
-files when --mpy asks for bytecode (less RAM and no compile on the board).
-After copying, every file's SHA-256 on the board is compared with the
-staged copy.
+config.local.json with the secrets (the WiFi password and the board's MQTT
+user and password; each read from an environment variable or, for the WiFi
+password, a hidden prompt; never from the command line, never logged), the
+gateway CA certificate when --tls asks for it, and .mpy files when --mpy asks
+for bytecode (less RAM and no compile on the board).  After copying, every
+file's SHA-256 on the board is compared with the staged copy.  Then the
+board's MQTT user is registered in this gateway's Mosquitto password file
+(`device credentials`, reloaded without a restart) unless --no-register.
 """
 
 from __future__ import annotations
@@ -29,11 +33,19 @@ from typing import Annotated, Any
 
 import typer
 
+from .. import ca_paths
+from . import device_credentials as creds
 from .common import fail
 
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
+app.add_typer(creds.app, name="credentials")
+ca_app = typer.Typer(help="The gateway's certificate authority for TLS to the boards.", no_args_is_help=True)
+app.add_typer(ca_app, name="ca")
 
 LIBRARY_PACKAGE = "iggy_device"
+PACKAGED_SOURCES = Path("/usr/share/iggy-edge")  # where the .deb puts device/ and firmware_examples/
+BOARD_CA_FILE = "ca.der"  # the gateway CA certificate on the board (DER)
+TLS_PORT = 8883
 MPREMOTE_TIMEOUT_S = 120.0
 # USB-serial bridges found on ESP32 boards, so `list` can point at them
 KNOWN_BRIDGES = {
@@ -69,12 +81,14 @@ def _busy(port: str) -> PortBusyError:
 # -- locating the sources ---------------------------------------------------
 def source_root(explicit: Path | None = None) -> Path:
     """The directory holding device/ and firmware_examples/: --source-root,
-    IGGY_EDGE_DEVICE_ROOT, or the checkout this module lives in."""
+    IGGY_EDGE_DEVICE_ROOT, the checkout this module lives in, or the copy the
+    Debian package installs."""
     candidates = [explicit] if explicit else []
     env = os.environ.get("IGGY_EDGE_DEVICE_ROOT")
     if env:
         candidates.append(Path(env))
     candidates += list(Path(__file__).resolve().parents)
+    candidates.append(PACKAGED_SOURCES)
     for c in candidates:
         if c is not None and (c / "device" / LIBRARY_PACKAGE).is_dir() and (c / "firmware_examples").is_dir():
             return c
@@ -126,13 +140,21 @@ _MKDIRS = (
 
 
 def device_config(
-    template: dict[str, Any], device_id: str, wifi_ssid: str, broker: str, port: int
+    template: dict[str, Any], device_id: str, wifi_ssid: str, broker: str, port: int, *, tls: bool = False
 ) -> dict[str, Any]:
     """config.json for the board: the example's template with this board's
-    identity; the password is left out (it goes to config.local.json)."""
+    identity; the secrets are left out (they go to config.local.json)."""
     cfg = dict(template)
     cfg.update(device_id=device_id, wifi_ssid=wifi_ssid, broker=broker, port=port, wifi_password=None)
+    cfg.update(user=None, password=None)
+    if tls:
+        cfg.update(tls=True, ca_file=BOARD_CA_FILE)
     return cfg
+
+
+def board_secrets(wifi_password: str, user: str, password: str) -> dict[str, Any]:
+    """config.local.json: what must not be committed or logged."""
+    return {"wifi_password": wifi_password, "user": user, "password": password}
 
 
 def stage(
@@ -143,6 +165,7 @@ def stage(
     secrets: dict[str, Any],
     *,
     mpy: bool,
+    ca_der: bytes | None = None,
 ) -> dict[str, Path]:
     """Lay out the board's files under ``staging``; returns board path ->
     staged file (what gets copied and verified)."""
@@ -176,6 +199,10 @@ def stage(
         if name == "config.local.json":
             dst.chmod(0o600)
         files[name] = dst
+    if ca_der is not None:
+        dst = staging / BOARD_CA_FILE
+        dst.write_bytes(ca_der)
+        files[BOARD_CA_FILE] = dst
     return files
 
 
@@ -297,19 +324,131 @@ def wifi_password(env_var: str | None) -> str:
     )
 
 
+@dataclass
+class Identity:
+    """The board's MQTT identity as provisioning decided it."""
+
+    user: str
+    password: str
+    generated: bool
+
+
+def mqtt_identity(device_id: str, user: str | None, password_env: str | None) -> Identity:
+    name = creds.check_device_id(user or device_id)
+    if password_env:
+        return Identity(name, creds.password_from_env(password_env), generated=False)
+    return Identity(name, creds.new_password(), generated=True)
+
+
+def read_ca(path: Path, broker: str, server_cert: Path) -> bytes:
+    """The gateway CA certificate as DER for the board; checks that the
+    broker's certificate names the address the board will connect to."""
+    try:
+        der = path.read_bytes()
+    except FileNotFoundError:
+        raise ProvisionError(
+            f"no gateway CA certificate at {path}: create it with "
+            f"`sudo iggy-edge device ca init --san {broker}` (or pass --ca-cert)"
+        ) from None
+    except PermissionError:
+        raise ProvisionError(f"cannot read {path}: run it with sudo") from None
+    if der.startswith(b"-----BEGIN"):
+        raise ProvisionError(f"{path} is PEM; give the DER copy (ca.der, written by `device ca init`)")
+    from .. import gateway_ca  # noqa: PLC0415 - cryptography only for the commands that need it
+
+    names = gateway_ca.server_names(ca_paths.CaPaths(server_cert=server_cert))
+    if names and broker not in names:
+        raise ProvisionError(
+            f"the broker's certificate {server_cert} is not valid for {broker!r} (it names "
+            f"{', '.join(names)}): the board would refuse it; "
+            f"run `sudo iggy-edge device ca init --san {broker}`"
+        )
+    return der
+
+
+@dataclass
+class Staged:
+    config: dict[str, Any]
+    identity: Identity
+    files: dict[str, Path]
+
+
+def prepare(
+    root: Path,
+    example: str,
+    staging: Path,
+    *,
+    device_id: str,
+    wifi_ssid: str,
+    wifi_password: str,
+    broker: str,
+    broker_port: int | None,
+    mqtt_user: str | None = None,
+    mqtt_password_env: str | None = None,
+    tls: bool = False,
+    ca_cert: Path = ca_paths.CA_DIR / BOARD_CA_FILE,
+    server_cert: Path = ca_paths.SERVER_CERT,
+    mpy: bool = False,
+) -> Staged:
+    """Everything before the board is touched: check the inputs, decide the
+    MQTT identity, stage the files."""
+    known = examples(root)
+    if example not in known:
+        raise ProvisionError(f"unknown example {example!r}; choose one of: {', '.join(known)}")
+    try:
+        creds.check_device_id(device_id)
+        identity = mqtt_identity(device_id, mqtt_user, mqtt_password_env)
+    except creds.CredentialsError as e:
+        raise ProvisionError(str(e)) from None
+    ca_der = read_ca(ca_cert, broker, server_cert) if tls else None
+    port = broker_port if broker_port is not None else (TLS_PORT if tls else 1883)
+    template = json.loads((root / "firmware_examples" / example / "config.json").read_text())
+    config = device_config(template, device_id, wifi_ssid, broker, port, tls=tls)
+    secrets = board_secrets(wifi_password, identity.user, identity.password)
+    files = stage(root, example, staging, config, secrets, mpy=mpy, ca_der=ca_der)
+    return Staged(config, identity, files)
+
+
 # -- commands ----------------------------------------------------------------------
 @app.command()
 def provision(
     port: Annotated[str, typer.Option(help="Serial port of the board, e.g. /dev/ttyUSB0.")],
     example: Annotated[str, typer.Option(help="Firmware example folder (env_sensor, actuator, ...).")],
-    device_id: Annotated[str, typer.Option(help="Device id: MQTT client id and topic level.")],
+    device_id: Annotated[str, typer.Option(help="Device id: MQTT user, client id and topic level.")],
     wifi_ssid: Annotated[str, typer.Option(help="WiFi network name.")],
     broker: Annotated[str, typer.Option(help="MQTT broker host the board connects to.")],
-    broker_port: Annotated[int, typer.Option(help="MQTT broker port.")] = 1883,
+    broker_port: Annotated[
+        int | None, typer.Option(help="MQTT broker port (default 1883, 8883 with --tls).")
+    ] = None,
     wifi_password_env: Annotated[
         str | None,
         typer.Option(help="Environment variable holding the WiFi password (otherwise a hidden prompt)."),
     ] = None,
+    mqtt_user: Annotated[
+        str | None, typer.Option(help="The board's MQTT user (default: the device id).")
+    ] = None,
+    mqtt_password_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Environment variable holding the board's MQTT password (otherwise one is generated)."
+        ),
+    ] = None,
+    register: Annotated[
+        bool,
+        typer.Option(
+            help="Register the MQTT user in this gateway's Mosquitto password file and reload it "
+            "(--no-register when provisioning from another machine)."
+        ),
+    ] = True,
+    passwd_file: creds.PasswdOpt = creds.DEVICES_PASSWD,
+    broker_pid: creds.PidOpt = None,
+    pid_file: creds.PidFileOpt = None,
+    tls: Annotated[
+        bool, typer.Option("--tls", help="Connect with TLS and verify the gateway with its CA certificate.")
+    ] = False,
+    ca_cert: Annotated[
+        Path, typer.Option(help="The gateway CA certificate (DER) copied to the board with --tls.")
+    ] = ca_paths.CA_DIR / BOARD_CA_FILE,
     mpy: Annotated[
         bool, typer.Option("--mpy", help="Copy bytecode compiled by mpy-cross (saves RAM).")
     ] = False,
@@ -317,62 +456,119 @@ def provision(
         Path | None, typer.Option("--source-root", help="Checkout holding device/ and firmware_examples/.")
     ] = None,
 ) -> None:
-    """Copy the library, an example and its config to a board, install umqtt, verify."""
+    """Copy the library, example, config and credentials to a board; register its MQTT user here."""
     try:
-        _provision(
-            port, example, device_id, wifi_ssid, broker, broker_port, wifi_password_env, mpy, source_root_opt
-        )
-    except ProvisionError as e:
+        root = source_root(source_root_opt)
+        wifi = wifi_password(wifi_password_env)  # before any slow step
+        with tempfile.TemporaryDirectory(prefix="iggy-edge-provision-") as tmp:
+            staged = prepare(
+                root,
+                example,
+                Path(tmp),
+                device_id=device_id,
+                wifi_ssid=wifi_ssid,
+                wifi_password=wifi,
+                broker=broker,
+                broker_port=broker_port,
+                mqtt_user=mqtt_user,
+                mqtt_password_env=mqtt_password_env,
+                tls=tls,
+                ca_cert=ca_cert,
+                mpy=mpy,
+            )
+            mpremote = _tool("mpremote")
+            check_port(port)
+            if register:
+                creds.users(passwd_file)  # fail now if the password file is not where expected
+            _copy_to_board(mpremote, port, staged, Path(tmp))
+        ident = staged.identity
+        if register:
+            how = creds.Reload(broker_pid=broker_pid, pid_file=pid_file)
+            typer.echo(creds.register(passwd_file, ident.user, ident.password, how, replace=True))
+        elif ident.generated:
+            typer.echo(
+                f"register the board on the gateway: iggy-edge device credentials add {ident.user} "
+                "--password-env VAR (VAR holding the password below)"
+            )
+    except (ProvisionError, creds.CredentialsError) as e:
         raise fail(str(e)) from None
-
-
-def _provision(
-    port: str,
-    example: str,
-    device_id: str,
-    wifi_ssid: str,
-    broker: str,
-    broker_port: int,
-    wifi_password_env: str | None,
-    mpy: bool,
-    root_opt: Path | None,
-) -> None:
-    root = source_root(root_opt)
-    known = examples(root)
-    if example not in known:
-        raise ProvisionError(f"unknown example {example!r}; choose one of: {', '.join(known)}")
-    for ch in "/+# ":
-        if ch in device_id or not device_id:
-            raise ProvisionError("device id must be non-empty without '/', '+', '#' or spaces")
-    password = wifi_password(wifi_password_env)  # before any slow step
-    mpremote = _tool("mpremote")
-    check_port(port)
-    template = json.loads((root / "firmware_examples" / example / "config.json").read_text())
-    config = device_config(template, device_id, wifi_ssid, broker, broker_port)
-    with tempfile.TemporaryDirectory(prefix="iggy-edge-provision-") as tmp:
-        staging = Path(tmp)
-        files = stage(root, example, staging, config, {"wifi_password": password}, mpy=mpy)
-        plan = build_plan(port, files, staging)
-        n = len(plan.steps)
-        for i, step in enumerate(plan.steps, 1):
-            typer.echo(f"[{i}/{n}] {step.label} ...", nl=False)
-            t0 = time.monotonic()
-            try:
-                output = run_mpremote(plan.argv(mpremote, step), port)
-                if step.args[:2] == ("fs", "sha256sum"):
-                    verify(files, output)
-                if step is plan.steps[0] and not output.strip().startswith("micropython"):
-                    raise NotMicroPythonError(
-                        f"the board on {port} does not report MicroPython: {output.strip()}"
-                    )
-            except ProvisionError:
-                typer.echo(" failed")
-                raise
-            typer.echo(f" done ({time.monotonic() - t0:.1f}s)")
+    if ident.generated:
+        typer.echo(
+            f"generated MQTT password for {ident.user} (shown once; it is on the board in "
+            f"config.local.json):\n{ident.password}"
+        )
     typer.echo(
-        f"provisioned {device_id} ({example}) on {port}: {len(files)} files verified; "
-        f"reset the board to start it (mpremote connect {port} reset)"
+        f"provisioned {device_id} ({example}) on {port}: {len(staged.files)} files verified; "
+        f"reset the board to start it (mpremote connect {port} reset), then check it with "
+        "`iggy-edge status` (its telemetry) and `iggy-edge device credentials list`"
     )
+
+
+def _copy_to_board(mpremote: str, port: str, staged: Staged, staging: Path) -> None:
+    files = staged.files
+    plan = build_plan(port, files, staging)
+    n = len(plan.steps)
+    for i, step in enumerate(plan.steps, 1):
+        typer.echo(f"[{i}/{n}] {step.label} ...", nl=False)
+        t0 = time.monotonic()
+        try:
+            output = run_mpremote(plan.argv(mpremote, step), port)
+            if step.args[:2] == ("fs", "sha256sum"):
+                verify(files, output)
+            if step is plan.steps[0] and not output.strip().startswith("micropython"):
+                raise NotMicroPythonError(
+                    f"the board on {port} does not report MicroPython: {output.strip()}"
+                )
+        except ProvisionError:
+            typer.echo(" failed")
+            raise
+        typer.echo(f" done ({time.monotonic() - t0:.1f}s)")
+
+
+@ca_app.command("init")
+def ca_init(
+    san: Annotated[
+        list[str],
+        typer.Option(help="A name or IP address the boards use for the broker (repeatable)."),
+    ],
+    gateway: Annotated[str, typer.Option(help="Gateway name in the CA's subject.")] = "gateway",
+    ca_dir: Annotated[Path, typer.Option(help="Where the CA key and certificate live.")] = ca_paths.CA_DIR,
+    server_cert: Annotated[
+        Path, typer.Option(help="The broker's certificate (Mosquitto certfile).")
+    ] = ca_paths.SERVER_CERT,
+    server_key: Annotated[
+        Path, typer.Option(help="The broker's key (Mosquitto keyfile).")
+    ] = ca_paths.SERVER_KEY,
+    renew_server: Annotated[
+        bool, typer.Option(help="Issue a new server certificate with exactly these names.")
+    ] = False,
+) -> None:
+    """Create the gateway CA (first use) and the broker's TLS certificate."""
+    import grp  # noqa: PLC0415 - POSIX only, needed here alone
+
+    from .. import gateway_ca  # noqa: PLC0415 - cryptography only for the commands that need it
+
+    try:
+        gid: int | None = grp.getgrnam("mosquitto").gr_gid
+    except KeyError:
+        gid = None
+    paths = ca_paths.CaPaths(ca_dir=ca_dir, server_cert=server_cert, server_key=server_key)
+    try:
+        result = gateway_ca.init(paths, gateway, san, renew_server=renew_server, key_gid=gid)
+    except (gateway_ca.CaError, PermissionError) as e:
+        raise fail(str(e) if isinstance(e, gateway_ca.CaError) else f"{e}: run it with sudo") from None
+    typer.echo(
+        ("created the gateway CA in " if result.created_ca else "the gateway CA in ")
+        + f"{ca_dir} ({'new' if result.created_ca else 'kept'}; the board copy is {paths.ca_der})"
+    )
+    if result.issued_server:
+        typer.echo(f"issued {server_cert} and {server_key} for: {', '.join(result.names)}")
+        typer.echo(
+            "enable the TLS listener (the commented 8883 block in /etc/mosquitto/conf.d/iggy-edge.conf) "
+            "and restart mosquitto; then provision boards with --tls"
+        )
+    else:
+        typer.echo(f"{server_cert} already covers: {', '.join(result.names)}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import signal
 
 from ..logs import install_loop_exception_handler, setup_logging
 from ..runtime import Agent, build_agent
-from .common import DEFAULT_CONFIG, ConfigOption, load_or_exit
+from ..store import StoreError
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 
 log = logging.getLogger("iggy_edge")
 
@@ -33,4 +34,8 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     public = [settings.mqtt.username, settings.iggy.username, settings.gateway_id, settings.mqtt_client_id]
     setup_logging(settings.logging.level, settings.logging.format, secrets, public)
     log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
-    asyncio.run(run_agent(build_agent(settings)))
+    try:
+        asyncio.run(run_agent(build_agent(settings)))
+    except StoreError as e:  # the buffer cannot be opened and waiting will not fix it
+        log.error("cannot start: %s", e)
+        raise fail(f"cannot start: {e}") from None

@@ -11,7 +11,8 @@ Design
   blocking equivalents for the CLI's buffer tools (buffer_admin.py), which may
   read beside the running agent (WAL).
 * The package, by job: `db` (connections, transactions, pragmas), `schema`
-  (tables, constants, opening the file), `commit` (ingest's group commit),
+  (tables, constants, opening the file), `recovery` (a full disk versus a
+  damaged file, salvage, the WAL header), `commit` (ingest's group commit),
   `reader` (read a batch, confirm), `bounds` (max_records / max_bytes,
   ttl_s), `dead` (dead letters), `outbox` (life cycle; `Outbox` is one
   object whose jobs live in those modules, sharing the state in `base`).
@@ -38,15 +39,25 @@ Design
   configured policy: `drop_oldest` deletes the oldest records, `reject_new`
   refuses the new ones.  Records older than `ttl_s` are expired.  Every drop
   is counted by reason and logged (rate-limited).  Dead letters are bounded
-  by count, oldest first.
-* **Corruption.**  A file SQLite cannot read is moved aside
-  (`buffer.db.corrupt-<time>`) and a fresh buffer is started, loudly: a
-  gateway must not crash-loop on a bad SD card sector.
+  by count, oldest first, and written in groups like records
+  (`enqueue_dead_letter`, at most 1000 letters or 4 MiB a group, payloads cut
+  to max_payload_bytes on arrival); `pending_bytes` tells ingest how many
+  payload bytes wait for a commit, so it can bound its work by bytes.
+* **A failing disk is not a damaged file** (recovery.py).  Errors are told
+  apart by SQLite's error code: a full or failing disk leaves the file in
+  place, the agent reports store=failed, acknowledges nothing and retries
+  (`Outbox.open_when_possible`); only a corruption confirmed by
+  integrity_check moves the file aside (`buffer.db.corrupt-<time>`), and what
+  can be read is salvaged into the fresh buffer with its ids and order.  A
+  -wal with a damaged header is copied aside before SQLite ignores it.  Both
+  stay visible (health, `buffer stats`, metrics) until acknowledged
+  (`iggy-edge buffer ack-salvage`).
 """
 
 from .commit import Incoming
 from .db import Database, NoDatabase, StoreError, ro_connect, sync_transaction
 from .outbox import Outbox
+from .recovery import Event, StoreUnavailable
 from .schema import (
     ROW_OVERHEAD,
     SCHEMA,
@@ -61,10 +72,12 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "Database",
+    "Event",
     "Incoming",
     "NoDatabase",
     "Outbox",
     "StoreError",
+    "StoreUnavailable",
     "accounted_bytes",
     "device_seq_of",
     "open_database",

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import BufferSettings
 from ..logs import RateLimitedLog
@@ -15,6 +17,15 @@ from .db import Database, StoreError
 from .schema import COUNT_DROP_SQL
 
 log = logging.getLogger("iggy_edge.store")
+
+
+@dataclass
+class _DeadGroup:
+    """Dead letters committed together (dead.py)."""
+
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    nbytes: int = 0
+    done: asyncio.Future[None] | None = None
 
 
 class OutboxBase:
@@ -47,6 +58,18 @@ class OutboxBase:
         self._recent_count = 0
         self.records = 0
         self.bytes = 0
+        self._committer: asyncio.Task[None] | None = None
+        # payload bytes handed over (records and dead letters), not yet committed
+        self._pending_bytes = 0
+        self._progress = asyncio.Event()  # set whenever a commit releases pending bytes
+        self._dead_groups: deque[_DeadGroup] = deque()
+
+    def _committer_running(self) -> bool:
+        return self._committer is not None and not self._committer.done()
+
+    def _release(self, nbytes: int) -> None:
+        self._pending_bytes -= nbytes
+        self._progress.set()
 
     def _update_gauges(self) -> None:
         self._metrics.backlog_records.set(self.records)

@@ -17,6 +17,7 @@ from typing import Any
 from ..records import Route
 from .bounds import Bounds
 from .db import StoreError
+from .dead import DEAD_GROUP_MAX, DeadLetters
 from .schema import RECENT_WINDOW, ROWS_PER_INSERT, accounted_bytes
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Incoming:
 class _Group:
     items: list[Incoming] = field(default_factory=list)
     done: asyncio.Future[None] | None = None
+    nbytes: int = 0  # payload bytes
 
 
 @lru_cache(maxsize=64)
@@ -47,12 +49,12 @@ def _values_sql(head: str, ncols: int, nrows: int) -> str:
     return f"{head} VALUES " + ", ".join([row] * nrows)
 
 
-class GroupCommit(Bounds):
+class GroupCommit(DeadLetters, Bounds):
     """Group commit: `submit` queues synchronously (arrival order), one
-    committer task writes each group in one transaction."""
+    committer task writes each group in one transaction (and the dead-letter
+    groups, dead.py)."""
 
     _pending: _Group
-    _committer: asyncio.Task[None] | None
 
     def submit(self, item: Incoming) -> asyncio.Future[None]:
         """Queue a record for the next group commit (synchronous, so arrival
@@ -65,6 +67,8 @@ class GroupCommit(Bounds):
         if group.done is None:
             group.done = asyncio.get_running_loop().create_future()
         group.items.append(item)
+        group.nbytes += len(item.payload)
+        self._pending_bytes += len(item.payload)
         if len(group.items) == 1 or len(group.items) >= self._settings.commit_max_records:
             self._wakeup.set()
         return group.done
@@ -73,31 +77,45 @@ class GroupCommit(Bounds):
     def pending_count(self) -> int:
         return len(self._pending.items)
 
-    async def wait_pending_below(self, limit: int) -> None:
-        """Return once fewer than `limit` records wait for their commit (ingest
-        uses it to stop reading from the broker's socket under overload)."""
+    async def wait_pending_below(self, limit: int, *, max_bytes: int | None = None) -> None:
+        """Return once fewer than `limit` records wait for their commit and,
+        with `max_bytes`, fewer than that many payload bytes of records and
+        dead letters (`pending_bytes`); ingest uses it to stop reading from the
+        broker's socket under overload.  Never raises a commit's error."""
         while len(self._pending.items) >= limit and self._pending.done is not None:
-            await asyncio.wait([self._pending.done])  # never raises the commit's error
+            await asyncio.wait([self._pending.done])
+        if max_bytes is not None:
+            while self._pending_bytes >= max_bytes:
+                self._progress.clear()
+                await self._progress.wait()
 
     async def _commit_loop(self) -> None:
         interval = self._settings.commit_interval_ms / 1000
         while True:
-            if not self._pending.items:
+            if not self._pending.items and not self._dead_groups:
                 if self._closed:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if interval and len(self._pending.items) < self._settings.commit_max_records and not self._closed:
+            if interval and not self._closed and self._room_to_wait():
                 # Let more handlers join this group; the ack latency this adds
                 # is bounded by commit_interval_ms.
                 self._wakeup.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), interval)
-            # The whole group commits at once: its size is bounded by the broker's
-            # in-flight window (receive maximum) plus the QoS0 queue limit.
-            group, self._pending = self._pending, _Group()
-            await self._commit_group(group)
+            if self._pending.items:
+                # The whole group commits at once: its size is bounded by the broker's
+                # in-flight window (receive maximum) plus the QoS0 queue limit.
+                group, self._pending = self._pending, _Group()
+                await self._commit_group(group)
+            await self._commit_dead_groups()
+
+    def _room_to_wait(self) -> bool:
+        """Is the open group small enough to wait for more?"""
+        if self._pending.items:
+            return len(self._pending.items) < self._settings.commit_max_records
+        return len(self._dead_groups) == 1 and len(self._dead_groups[0].rows) < DEAD_GROUP_MAX
 
     async def _commit_group(self, group: _Group) -> None:
         started = time.perf_counter()
@@ -106,6 +124,7 @@ class GroupCommit(Bounds):
             async with self._lock:
                 await self._insert(group.items)
         except (sqlite3.Error, OSError) as e:
+            self._release(group.nbytes)
             self._metrics.store_errors.inc()
             err = StoreError(f"commit failed: {e}")
             log.error("outbox commit of %d records failed: %s", len(group.items), e)
@@ -113,6 +132,7 @@ class GroupCommit(Bounds):
                 done.set_exception(err)
                 done.exception()  # mark retrieved: each waiter re-raises it
             return
+        self._release(group.nbytes)
         self._metrics.store_commit_seconds.observe(time.perf_counter() - started)
         if done is not None and not done.done():
             done.set_result(None)

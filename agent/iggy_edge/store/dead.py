@@ -1,33 +1,86 @@
 """Dead letters: messages that cannot be routed, kept with their reason and
-bounded by count (oldest first)."""
+bounded by count (oldest first), written in groups.
+
+API (ingest's side)
+-------------------
+``enqueue_dead_letter(...) -> Future[None]`` is synchronous, like `submit`:
+the letter joins the open dead-letter group (its payload already cut to
+``max_payload_bytes``, so an oversize payload is not held whole) and the
+group's future is returned; the committer task writes each group in one
+transaction and resolves the future (or sets a `StoreError`; the exception
+is marked retrieved, so a fire-and-forget QoS0 caller may drop the future).
+A group closes at `DEAD_GROUP_MAX` letters or `DEAD_GROUP_MAX_BYTES` payload
+bytes; later letters open the next group, so one flood does not become one
+huge transaction.  ``dead_letter(...)`` enqueues and awaits (the old API).
+
+``pending_bytes`` is the payload bytes of records and dead letters handed
+over and not yet committed (or failed); with ``pending_count`` and
+``wait_pending_below(limit, max_bytes=...)`` ingest bounds the work it holds
+by bytes as well as by count.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sqlite3
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any, Final
 
-from .base import OutboxBase
+from .base import OutboxBase, _DeadGroup
 from .db import StoreError
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class DeadLetter:
-    """A message that cannot be routed, with its reason.  `payload` may be
-    cut to max_payload_bytes already; `payload_size` is the original size."""
-
-    mqtt_topic: str | bytes
-    payload: bytes
-    payload_size: int
-    qos: int
-    retain: bool
-    reason: str
-    detail: str
-    received_us: int
+DEAD_GROUP_MAX: Final = 1000
+DEAD_GROUP_MAX_BYTES: Final = 4 * 1024 * 1024
 
 
 class DeadLetters(OutboxBase):
+    def enqueue_dead_letter(
+        self,
+        *,
+        mqtt_topic: str | bytes,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        reason: str,
+        detail: str,
+        received_us: int | None = None,
+    ) -> asyncio.Future[None]:
+        """Queue a dead letter for the next dead-letter group commit
+        (synchronous) and return that commit's future.  See the module
+        docstring."""
+        loop = asyncio.get_running_loop()
+        if self._failure is not None:
+            fut: asyncio.Future[None] = loop.create_future()
+            fut.set_exception(self._failure)
+            fut.exception()
+            return fut
+        topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
+        kept = payload[: self._settings.max_payload_bytes]
+        row = (
+            received_us or time.time_ns() // 1000,
+            topic_b[:1024],
+            qos,
+            int(retain),
+            reason,
+            detail,
+            kept,
+            len(payload),
+        )
+        groups = self._dead_groups
+        if not groups or len(groups[-1].rows) >= DEAD_GROUP_MAX or groups[-1].nbytes >= DEAD_GROUP_MAX_BYTES:
+            groups.append(_DeadGroup(done=loop.create_future()))
+        group = groups[-1]
+        group.rows.append(row)
+        size = len(kept) + len(topic_b[:1024])
+        group.nbytes += size
+        self._pending_bytes += size
+        self._wakeup.set()
+        assert group.done is not None
+        return group.done
+
     async def dead_letter(
         self,
         *,
@@ -41,38 +94,31 @@ class DeadLetters(OutboxBase):
     ) -> None:
         """Store a message that cannot be routed, with its reason (committed
         before returning, like any record)."""
-        await self.dead_letters(
-            [
-                DeadLetter(
-                    mqtt_topic,
-                    payload,
-                    len(payload),
-                    qos,
-                    retain,
-                    reason,
-                    detail,
-                    received_us or time.time_ns() // 1000,
-                )
-            ]
+        fut = self.enqueue_dead_letter(
+            mqtt_topic=mqtt_topic,
+            payload=payload,
+            qos=qos,
+            retain=retain,
+            reason=reason,
+            detail=detail,
+            received_us=received_us,
         )
+        if not self._committer_running():
+            await self._commit_dead_groups()  # no committer task (not started): write it here
+        await fut
 
-    async def dead_letters(self, items: Sequence[DeadLetter]) -> None:
-        """Store a group of dead letters in one transaction (a flood of bad
-        messages costs one commit per group, not one per message)."""
-        cap = self._settings.max_payload_bytes
-        rows = [
-            (
-                d.received_us,
-                (d.mqtt_topic.encode() if isinstance(d.mqtt_topic, str) else d.mqtt_topic)[:1024],
-                d.qos,
-                int(d.retain),
-                d.reason,
-                d.detail,
-                d.payload[:cap],
-                d.payload_size,
-            )
-            for d in items
-        ]
+    @property
+    def pending_bytes(self) -> int:
+        """Payload bytes of records and dead letters waiting for their commit."""
+        return self._pending_bytes
+
+    async def _commit_dead_groups(self) -> None:
+        """Commit every closed or open dead-letter group, oldest first."""
+        while self._dead_groups:
+            group = self._dead_groups.popleft()
+            await self._commit_dead_group(group)
+
+    async def _commit_dead_group(self, group: _DeadGroup) -> None:
         try:
             async with self._lock:
                 await self._db.synchronous(self._sync_insert)
@@ -80,7 +126,7 @@ class DeadLetters(OutboxBase):
                     await conn.executemany(
                         "INSERT INTO dead_letters(received_us, mqtt_topic, qos, retain, reason, detail,"
                         " payload, payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        rows,
+                        group.rows,
                     )
                     await conn.execute(
                         "DELETE FROM dead_letters WHERE id <= (SELECT max(id) FROM dead_letters) - ?",
@@ -88,9 +134,26 @@ class DeadLetters(OutboxBase):
                     )
         except (sqlite3.Error, OSError) as e:
             self._metrics.store_errors.inc()
-            raise StoreError(f"dead letter not stored: {e}") from e
-        for row, d in zip(rows, items, strict=True):
-            self._metrics.dead_letters.labels(d.reason).inc()
+            log.error("dead-letter commit of %d letters failed: %s", len(group.rows), e)
+            self._release(group.nbytes)
+            if group.done is not None and not group.done.done():
+                group.done.set_exception(StoreError(f"dead letter not stored: {e}"))
+                group.done.exception()  # mark retrieved: each waiter re-raises it
+            return
+        self._release(group.nbytes)
+        by_reason: dict[str, list[tuple[Any, ...]]] = {}
+        for row in group.rows:
+            by_reason.setdefault(row[4], []).append(row)
+        for reason, rows in by_reason.items():
+            self._metrics.dead_letters.labels(reason).inc(len(rows))
+            last = rows[-1]
             self._limited.warning(
-                f"dead:{d.reason}", "dead letter (%s): topic %r: %s", d.reason, row[1][:200], d.detail
+                f"dead:{reason}",
+                "dead letter (%s): topic %r: %s (%d in this commit)",
+                reason,
+                last[1][:200],
+                last[5],
+                len(rows),
             )
+        if group.done is not None and not group.done.done():
+            group.done.set_result(None)

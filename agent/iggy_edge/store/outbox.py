@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
+import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import aiosqlite
@@ -14,27 +17,91 @@ from ..config import BufferSettings
 from ..metrics import Metrics
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
-from .dead import DeadLetters
 from .reader import ReadConfirm
-from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database
+from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
+from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+
+log = logging.getLogger(__name__)
 
 
-class Outbox(GroupCommit, ReadConfirm, DeadLetters):
+class Outbox(GroupCommit, ReadConfirm):
     """Durable, bounded outbox with group commit.  See the package docstring."""
 
     def __init__(self, db: Database, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> None:
         super().__init__(db, settings, gateway_id, metrics)
         self._pending = _Group()
-        self._committer = None
+        self.recovery: list[Event] = []
 
     # -- life cycle -------------------------------------------------------
 
     @classmethod
     async def open(cls, path: Path, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> Outbox:
+        """Open and load the buffer.  Every database error, at open or at
+        load, takes the same path (recovery.py): a confirmed corruption is
+        salvaged into a fresh file, anything else leaves the file in place
+        and raises `StoreError` (`StoreUnavailable` when the disk failed),
+        with the connection closed (no aiosqlite thread left behind)."""
         db = await open_database(path, metrics)
-        box = cls(db, settings, gateway_id, metrics)
-        await box._load()
-        return box
+        recovered = False
+        while True:
+            box = cls(db, settings, gateway_id, metrics)
+            try:
+                await box._load()
+            except (sqlite3.Error, OSError) as e:
+                await db.close()
+                metrics.store_errors.inc()
+                events: list[Event] = []
+                if recovered or not await recover(path, e, metrics, events):
+                    raise as_store_error(path, e) from e
+                db = await reopen(path, metrics, events, recovered=True)
+                recovered = True
+                continue
+            except BaseException:
+                await db.close()
+                raise
+            return box
+
+    @classmethod
+    async def open_when_possible(
+        cls,
+        path: Path,
+        settings: BufferSettings,
+        gateway_id: str,
+        metrics: Metrics,
+        *,
+        stop: asyncio.Event,
+        on_failure: Callable[[StoreError | None], None] = lambda _e: None,
+        max_delay_s: float = 30.0,
+    ) -> Outbox | None:
+        """`open`, retried with capped backoff while the disk fails
+        (`StoreUnavailable`: full, I/O error): the file stays in place,
+        nothing is acknowledged meanwhile (ingest is not started, so the broker
+        keeps the messages) and the agent resumes once the disk works again.
+        `on_failure(err)` reports each failure and `on_failure(None)` the
+        success.  None when `stop` is set first; other errors raise."""
+        attempt = 0
+        while not stop.is_set():
+            try:
+                box = await cls.open(path, settings, gateway_id, metrics)
+            except StoreUnavailable as e:
+                on_failure(e)
+                delay = min(max_delay_s, 0.5 * 2**attempt)
+                attempt += 1
+                log.error(
+                    "store=failed: %s; nothing is acknowledged (the broker keeps the messages);"
+                    " retry %d in %.1fs",
+                    e,
+                    attempt,
+                    delay,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                continue
+            on_failure(None)
+            if attempt:
+                log.warning("buffer %s opened after %d failed attempts", path, attempt)
+            return box
+        return None
 
     async def _load(self) -> None:
         epoch = await self._meta("epoch")
@@ -58,9 +125,36 @@ class Outbox(GroupCommit, ReadConfirm, DeadLetters):
         for topic, dseq, crc in reversed(recent):
             self._recent[(topic, dseq, crc)] = None
         self._recent_count = len(recent)
+        self.recovery = await self._recovery_events()
         self._update_gauges()
         if self.records:
             self._data_available.set()
+
+    async def _recovery_events(self) -> list[Event]:
+        return events_from_json(await self._meta("recovery"))
+
+    @property
+    def attention(self) -> str:
+        """What an operator must look at ("" when nothing): recovery events
+        not yet acknowledged (`iggy-edge buffer ack-salvage`)."""
+        open_events = [e for e in self.recovery if not e.acknowledged]
+        parts = []
+        for e in open_events:
+            if e.kind == "salvaged":
+                parts.append(
+                    f"damaged buffer moved aside to {e.aside}: {e.salvaged} records salvaged, "
+                    f"{e.unreadable} unreadable"
+                )
+            else:
+                parts.append(f"damaged WAL copied to {e.aside}: up to {e.frames_lost} frames may be missing")
+        if parts:
+            parts.append("acknowledge with: iggy-edge buffer ack-salvage")
+        return "; ".join(parts)
+
+    async def refresh_age_gauge(self) -> None:
+        await super().refresh_age_gauge()
+        async with self._lock:
+            self.recovery = await self._recovery_events()  # an operator may have acknowledged
 
     def start(self) -> None:
         self._committer = asyncio.create_task(self._commit_loop(), name="outbox-commit")

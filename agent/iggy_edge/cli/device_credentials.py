@@ -1,0 +1,346 @@
+"""`iggy-edge device credentials add|rotate|revoke|list`: the devices' MQTT
+users in the gateway's Mosquitto password file.
+
+One user per device, the user name is the device id (the broker's ACL and
+`use_username_as_clientid` key everything on it).  The file is changed only
+through `mosquitto_passwd` (its hash format is Mosquitto's business), the
+password is handed to it on stdin (never on a command line, where `ps` would
+show it), and Mosquitto is told to reload so the change takes effect without
+a restart: `systemctl reload mosquitto` when systemd runs it, else SIGHUP to
+the pid from --broker-pid or the pid file.  A password is printed only when
+it was generated here, once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import fail
+
+DEVICES_PASSWD = Path("/etc/mosquitto/iggy-edge-devices.passwd")
+MOSQUITTO_PID_FILE = Path("/run/mosquitto/mosquitto.pid")
+# Device ids are MQTT user names, client ids (use_username_as_clientid) and
+# a topic level (%u in the ACL): no wildcards, separators or ':' (the
+# password file's field separator).
+DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# The agent's client ids are iggy-edge-<gateway>[-deliver|-doctor]: a device
+# user with such a name would get that client id on the device listener.
+RESERVED_PREFIX = "iggy-edge"
+GENERATED_BYTES = 18  # 24 characters of URL-safe base64
+
+app = typer.Typer(
+    help="Devices' MQTT users on this gateway (Mosquitto password file, reloaded).", no_args_is_help=True
+)
+
+
+class CredentialsError(Exception):
+    """A failure with a message meant for the person at the keyboard."""
+
+
+def check_device_id(device_id: str) -> str:
+    if not DEVICE_ID.match(device_id):
+        raise CredentialsError(
+            f"device id {device_id!r} is not usable as an MQTT user: 1-64 characters, letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    if device_id.lower().startswith(RESERVED_PREFIX):
+        raise CredentialsError(
+            f"device id {device_id!r} is reserved: names starting with {RESERVED_PREFIX!r} belong to "
+            "the agent's own MQTT sessions"
+        )
+    return device_id
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(GENERATED_BYTES)
+
+
+def password_from_env(var: str) -> str:
+    value = os.environ.get(var)
+    if not value:
+        raise CredentialsError(f"MQTT password missing: environment variable {var} is not set or empty")
+    if len(value) < 12:
+        raise CredentialsError(f"the MQTT password in {var} is too short: use at least 12 characters")
+    return value
+
+
+# -- the password file ------------------------------------------------------------
+def _mosquitto_passwd() -> str:
+    found = shutil.which("mosquitto_passwd") or (
+        "/usr/bin/mosquitto_passwd" if Path("/usr/bin/mosquitto_passwd").exists() else None
+    )
+    if found is None:
+        raise CredentialsError("mosquitto_passwd not found: install mosquitto (apt install mosquitto)")
+    return found
+
+
+def _existing(path: Path) -> Path:
+    if not path.exists():
+        raise CredentialsError(
+            f"no Mosquitto password file at {path}: the iggy-edge package creates it (is it installed?); "
+            "or pass --passwd-file to the file your Mosquitto's password_file names"
+        )
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise CredentialsError(f"cannot read and write {path}: run it with sudo")
+    return path
+
+
+def users(path: Path) -> list[str]:
+    """The user names in a Mosquitto password file, in file order."""
+    out = []
+    for line in _existing(path).read_text().splitlines():
+        name, sep, _ = line.partition(":")
+        if sep and name.strip() and not name.startswith("#"):
+            out.append(name)
+    return out
+
+
+def set_password(path: Path, user: str, password: str) -> None:
+    """Add or replace ``user`` with mosquitto_passwd, the password on stdin."""
+    _existing(path)
+    mode = path.stat().st_mode & 0o777
+    owner = path.stat()
+    r = subprocess.run(
+        [_mosquitto_passwd(), str(path), user],
+        input=f"{password}\n{password}\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if r.returncode != 0:
+        raise CredentialsError(f"mosquitto_passwd failed on {path}: {_tail(r.stderr or r.stdout)}")
+    _keep_mode(path, mode, owner.st_uid, owner.st_gid)
+
+
+def delete_user(path: Path, user: str) -> None:
+    _existing(path)
+    st = path.stat()
+    r = subprocess.run(
+        [_mosquitto_passwd(), "-D", str(path), user], capture_output=True, text=True, timeout=30, check=False
+    )
+    if r.returncode != 0:
+        raise CredentialsError(f"mosquitto_passwd -D failed on {path}: {_tail(r.stderr or r.stdout)}")
+    _keep_mode(path, st.st_mode & 0o777, st.st_uid, st.st_gid)
+
+
+def _keep_mode(path: Path, mode: int, uid: int, gid: int) -> None:
+    # mosquitto_passwd rewrites the file through a temp copy: keep the
+    # owner and mode the package gave it (root:mosquitto 0640).
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+    path.chmod(mode)
+
+
+def _tail(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip() and not x.startswith(("Password:", "Reenter"))]
+    return lines[-1] if lines else "(no output)"
+
+
+# -- telling Mosquitto ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Reload:
+    broker_pid: int | None = None
+    pid_file: Path | None = None
+
+
+def _systemd_runs_mosquitto() -> bool:
+    if not Path("/run/systemd/system").is_dir() or shutil.which("systemctl") is None:
+        return False
+    r = subprocess.run(
+        ["systemctl", "is-active", "--quiet", "mosquitto"], capture_output=True, timeout=10, check=False
+    )
+    return r.returncode == 0
+
+
+def _sighup(pid: int, where: str) -> str:
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        raise CredentialsError(f"no Mosquitto runs as pid {pid} ({where}): is the broker running?") from None
+    except PermissionError:
+        raise CredentialsError(f"not allowed to signal pid {pid} ({where}): run it with sudo") from None
+    return f"sent SIGHUP to Mosquitto (pid {pid}, {where})"
+
+
+def _pid_from(path: Path) -> int:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        raise CredentialsError(f"no pid file at {path}: is Mosquitto running?") from None
+    except PermissionError:
+        raise CredentialsError(f"cannot read {path}: run it with sudo") from None
+    if not text.isdigit():
+        raise CredentialsError(f"{path} does not hold a pid: {text[:40]!r}")
+    return int(text)
+
+
+def reload_broker(how: Reload) -> str:
+    """Make Mosquitto re-read its password file and ACL; what was done."""
+    if how.broker_pid is not None:
+        return _sighup(how.broker_pid, "--broker-pid")
+    if how.pid_file is not None:
+        return _sighup(_pid_from(how.pid_file), str(how.pid_file))
+    if _systemd_runs_mosquitto():
+        r = subprocess.run(
+            ["systemctl", "reload", "mosquitto"], capture_output=True, text=True, timeout=30, check=False
+        )
+        if r.returncode != 0:
+            raise CredentialsError(f"systemctl reload mosquitto failed: {_tail(r.stderr)}")
+        return "reloaded mosquitto (systemctl reload mosquitto)"
+    if MOSQUITTO_PID_FILE.exists():
+        return _sighup(_pid_from(MOSQUITTO_PID_FILE), str(MOSQUITTO_PID_FILE))
+    raise CredentialsError(
+        "no running Mosquitto found to reload (systemd does not run it and there is no "
+        f"{MOSQUITTO_PID_FILE}): start it, or pass --broker-pid / --pid-file"
+    )
+
+
+# -- operations (also used by `device provision`) ---------------------------------
+def register(path: Path, device_id: str, password: str, how: Reload | None, *, replace: bool) -> str:
+    """Add (or with ``replace`` add-or-rotate) a device user, then reload;
+    returns what was done, without the password."""
+    check_device_id(device_id)
+    known = users(path)
+    if device_id in known and not replace:
+        raise CredentialsError(f"{device_id} already has credentials in {path}: use `rotate`")
+    set_password(path, device_id, password)
+    verb = "rotated" if device_id in known else "added"
+    done = f"{verb} MQTT user {device_id} in {path}"
+    if how is not None:
+        done += "; " + reload_broker(how)
+    return done
+
+
+def _report_password(device_id: str, password: str, generated: bool) -> None:
+    if generated:
+        typer.echo(
+            f"generated MQTT password for {device_id} (shown once, not stored in clear on the gateway; "
+            f'put it in the board\'s config.local.json as "password"):\n{password}'
+        )
+
+
+# -- commands -------------------------------------------------------------------------
+PasswdOpt = Annotated[
+    Path,
+    typer.Option(
+        "--passwd-file",
+        envvar="IGGY_EDGE_DEVICES_PASSWD",
+        help="Mosquitto password file of the device listener.",
+    ),
+]
+PasswordEnvOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Environment variable holding the password (otherwise one is generated and shown once)."
+    ),
+]
+PidOpt = Annotated[int | None, typer.Option(help="Reload by SIGHUP to this Mosquitto pid.")]
+PidFileOpt = Annotated[Path | None, typer.Option(help="Reload by SIGHUP to the pid in this file.")]
+NoReloadOpt = Annotated[bool, typer.Option("--no-reload", help="Change the file only; reload yourself.")]
+
+
+def _how(broker_pid: int | None, pid_file: Path | None, no_reload: bool) -> Reload | None:
+    return None if no_reload else Reload(broker_pid=broker_pid, pid_file=pid_file)
+
+
+def change(
+    path: Path, device_id: str, password_env: str | None, how: Reload | None, *, rotate: bool
+) -> tuple[str, str]:
+    """`add` (the user must be new) or `rotate` (it must exist): what was
+    done, and the password."""
+    check_device_id(device_id)
+    known = users(path)
+    if rotate and device_id not in known:
+        raise CredentialsError(f"{device_id} has no credentials in {path}: use `add`")
+    if not rotate and device_id in known:
+        raise CredentialsError(f"{device_id} already has credentials in {path}: use `rotate`")
+    password = password_from_env(password_env) if password_env else new_password()
+    return register(path, device_id, password, how, replace=rotate), password
+
+
+def revoke_user(path: Path, device_id: str, how: Reload | None) -> str:
+    if device_id not in users(path):
+        raise CredentialsError(f"{device_id} has no credentials in {path}")
+    delete_user(path, device_id)
+    done = f"revoked MQTT user {device_id} in {path}"
+    if how is not None:
+        done += "; " + reload_broker(how)
+    return done
+
+
+def _set(
+    device_id: str, passwd_file: Path, password_env: str | None, how: Reload | None, *, rotate: bool
+) -> None:
+    try:
+        done, password = change(passwd_file, device_id, password_env, how, rotate=rotate)
+    except CredentialsError as e:
+        raise fail(str(e)) from None
+    typer.echo(done)
+    _report_password(device_id, password, password_env is None)
+
+
+@app.command()
+def add(
+    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    passwd_file: PasswdOpt = DEVICES_PASSWD,
+    password_env: PasswordEnvOpt = None,
+    broker_pid: PidOpt = None,
+    pid_file: PidFileOpt = None,
+    no_reload: NoReloadOpt = False,
+) -> None:
+    """Give a device an MQTT user and password; Mosquitto reloads (no restart)."""
+    _set(device_id, passwd_file, password_env, _how(broker_pid, pid_file, no_reload), rotate=False)
+
+
+@app.command()
+def rotate(
+    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    passwd_file: PasswdOpt = DEVICES_PASSWD,
+    password_env: PasswordEnvOpt = None,
+    broker_pid: PidOpt = None,
+    pid_file: PidFileOpt = None,
+    no_reload: NoReloadOpt = False,
+) -> None:
+    """Replace a device's password (the board needs the new one: re-provision it)."""
+    _set(device_id, passwd_file, password_env, _how(broker_pid, pid_file, no_reload), rotate=True)
+
+
+@app.command()
+def revoke(
+    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    passwd_file: PasswdOpt = DEVICES_PASSWD,
+    broker_pid: PidOpt = None,
+    pid_file: PidFileOpt = None,
+    no_reload: NoReloadOpt = False,
+) -> None:
+    """Remove a device's MQTT user; at the reload Mosquitto disconnects it."""
+    try:
+        done = revoke_user(passwd_file, device_id, _how(broker_pid, pid_file, no_reload))
+    except CredentialsError as e:
+        raise fail(str(e)) from None
+    typer.echo(done)
+
+
+@app.command("list")
+def list_users(passwd_file: PasswdOpt = DEVICES_PASSWD) -> None:
+    """Device users in the password file (names only; passwords are hashed)."""
+    try:
+        names = users(passwd_file)
+    except CredentialsError as e:
+        raise fail(str(e)) from None
+    if not names:
+        typer.echo(f"no device credentials in {passwd_file}: add one with `iggy-edge device credentials add`")
+        return
+    for name in names:
+        typer.echo(name)

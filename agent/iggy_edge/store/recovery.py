@@ -1,0 +1,451 @@
+"""What to do when the buffer file cannot be opened or read.
+
+* **Classify by SQLite's error code** (``sqlite_errorcode``, primary code in
+  the low byte), not by message: ``SQLITE_CORRUPT`` / ``SQLITE_NOTADB`` may be
+  a damaged file; ``SQLITE_FULL``, ``SQLITE_IOERR``, ``SQLITE_CANTOPEN``,
+  ``SQLITE_READONLY``, ``SQLITE_NOMEM`` and any ``OSError`` are the disk or the
+  system, not the file: the file stays where it is (`StoreUnavailable`), the
+  agent reports ``store=failed``, acknowledges nothing (the broker keeps the
+  messages) and tries again.  ``SQLITE_BUSY`` / ``SQLITE_LOCKED``: another
+  process holds the file (`StoreError` "locked").  Anything else (a schema
+  this version does not know): `StoreError`, the file stays, the agent exits
+  non-zero.
+* **Only a confirmed corruption moves a file aside**: a corruption code AND
+  ``PRAGMA integrity_check`` not "ok" on a separate connection.  The file (and
+  its -wal / -shm) is renamed ``<name>.corrupt-<time>``, a fresh buffer is
+  created and everything readable is **salvaged** into it: outbox rows by seq
+  ranges, bisected down to single rows around damaged pages, inserted with
+  their seq and the old epoch, so the message ids (gateway, epoch, seq) and
+  the order stay; the sequence continues after the old one so no id is
+  reused.  Rows whose route cannot be read become dead letters (reason
+  ``salvaged``; `buffer dead-letters replay` routes them again).
+  "Unreadable" counts the seqs inside the old outbox's range that could not
+  be read (an upper bound: a seq deleted before the damage is counted too).
+* **WAL header check** before SQLite opens the file: magic, format version,
+  page size and the header checksum (which covers the salts), per the SQLite
+  file format.  SQLite silently ignores a WAL whose header is invalid -- and
+  with it every commit not yet checkpointed -- so a damaged header is copied
+  aside (``<name>-wal.damaged-<time>``) and logged with the number of frames
+  that may be lost.
+* Every such event is kept in the meta table (key ``recovery``, a JSON list)
+  and counted in metrics; health shows it until an operator runs
+  ``iggy-edge buffer ack-salvage``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sqlite3
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from .db import StoreError, sync_transaction
+
+log = logging.getLogger(__name__)
+
+WAL_MAGIC: Final = (0x377F0682, 0x377F0683)
+WAL_VERSION: Final = 3007000
+WAL_HEADER: Final = 32
+WAL_FRAME_HEADER: Final = 24
+SALVAGE_CHUNK: Final = 512
+SEQ_MARGIN: Final = 1_000_000  # seqs skipped when the old sequence is unreadable
+
+CORRUPT: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+LOCKED: Final = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+# The disk or the system, not the file: wait and try again.
+TRANSIENT: Final = frozenset(
+    {
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_NOMEM,
+        sqlite3.SQLITE_READONLY,  # e.g. the kernel remounted a failing SD card read-only
+        sqlite3.SQLITE_PROTOCOL,
+        sqlite3.SQLITE_INTERRUPT,
+    }
+)
+
+
+class StoreUnavailable(StoreError):
+    """The disk or the system failed (full, I/O error, cannot open): the
+    buffer file is intact as far as we know and stays in place; try again."""
+
+
+def primary_code(e: BaseException) -> int | None:
+    code = getattr(e, "sqlite_errorcode", None)
+    return None if code is None else int(code) & 0xFF
+
+
+def is_corruption(e: BaseException) -> bool:
+    return primary_code(e) in CORRUPT
+
+
+def as_store_error(path: Path, e: BaseException) -> StoreError:
+    """The StoreError for a failure that is not a confirmed corruption."""
+    code = primary_code(e)
+    name = getattr(e, "sqlite_errorname", type(e).__name__)
+    if code in LOCKED:
+        return StoreError(f"{path}: database is locked by another process ({name})")
+    if isinstance(e, OSError) or code in TRANSIENT:
+        return StoreUnavailable(f"{path}: {e} ({name}); the file is left in place")
+    # anything else (a schema this version does not know, a misuse): retrying will not help
+    return StoreError(f"{path}: {e} ({name}); the file is left in place")
+
+
+def integrity_problem(path: Path) -> str | None:
+    """None when `PRAGMA integrity_check` says ok; otherwise what it said (or
+    the corruption error it raised).  Raises the error when it is not a
+    corruption (a full or failing disk says nothing about the file)."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = conn.execute("PRAGMA integrity_check(20)").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        if is_corruption(e):
+            return str(e)
+        raise
+    lines = [str(r[0]) for r in rows]
+    return None if lines == ["ok"] else "; ".join(lines)
+
+
+# -- WAL header ------------------------------------------------------------------
+
+
+def wal_checksum(data: bytes, big_endian: bool, s0: int = 0, s1: int = 0) -> tuple[int, int]:
+    """SQLite's WAL checksum over `data` (a multiple of 8 bytes)."""
+    words = struct.unpack((">" if big_endian else "<") + f"{len(data) // 4}I", data)
+    for i in range(0, len(words), 2):
+        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
+        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def wal_header_problem(header: bytes) -> str | None:
+    """None for a valid WAL header, else what is wrong with it."""
+    if len(header) < WAL_HEADER:
+        return f"header is {len(header)} bytes, not {WAL_HEADER}"
+    magic, version, page_size, _ckpt, _salt1, _salt2, c1, c2 = struct.unpack(">8I", header[:WAL_HEADER])
+    if magic not in WAL_MAGIC:
+        return f"bad magic 0x{magic:08x}"
+    if version != WAL_VERSION:
+        return f"unknown format version {version}"
+    if page_size < 512 or page_size > 65536 or page_size & (page_size - 1):
+        return f"bad page size {page_size}"
+    if wal_checksum(header[:24], bool(magic & 1)) != (c1, c2):
+        return "header checksum does not match (magic, salts or checksum damaged)"
+    return None
+
+
+def db_page_size(path: Path) -> int:
+    """Page size from the database header (offset 16, big-endian; 1 = 65536)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(18)
+    except OSError:
+        return 4096
+    if len(head) < 18:
+        return 4096
+    size = int.from_bytes(head[16:18], "big")
+    return 65536 if size == 1 else size if size >= 512 else 4096
+
+
+@dataclass
+class Event:
+    """A recovery event, kept in meta until an operator acknowledges it."""
+
+    kind: str  # "salvaged" | "wal_damaged"
+    at: float
+    detail: str
+    aside: str = ""  # the moved or copied file
+    salvaged: int = 0
+    unreadable: int = 0
+    dead_letters: int = 0
+    frames_lost: int = 0
+    acknowledged: bool = False
+
+
+def check_wal(path: Path, *, now: float | None = None) -> Event | None:
+    """Copy a -wal with a damaged header aside before SQLite discards it."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        size = wal.stat().st_size
+        if size < WAL_HEADER:
+            return None  # empty (after a checkpoint) or never written: nothing to lose
+        with wal.open("rb") as f:
+            header = f.read(WAL_HEADER)
+    except FileNotFoundError:
+        return None
+    problem = wal_header_problem(header)
+    if problem is None:
+        return None
+    now = time.time() if now is None else now
+    copy = wal.with_name(f"{wal.name}.damaged-{int(now)}")
+    shutil.copy2(wal, copy)
+    frames = (size - WAL_HEADER) // (WAL_FRAME_HEADER + db_page_size(path))
+    log.error(
+        "buffer WAL %s is damaged (%s): SQLite will ignore it, so up to %d frames (%d bytes) of the most "
+        "recent commits may be MISSING from the buffer; a copy is kept at %s",
+        wal,
+        problem,
+        frames,
+        size,
+        copy,
+    )
+    return Event("wal_damaged", now, problem, aside=str(copy), frames_lost=frames)
+
+
+# -- salvage ---------------------------------------------------------------------
+
+
+def move_aside(path: Path, now: float) -> Path:
+    aside = path.with_name(f"{path.name}.corrupt-{int(now)}")
+    path.rename(aside)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            side.rename(aside.with_name(aside.name + suffix))
+    return aside
+
+
+def _try(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except sqlite3.DatabaseError as e:
+        log.warning("salvage: %s", e)
+        return None
+
+
+def _read_range(
+    src: sqlite3.Connection, sql: str, lo: int, hi: int, bad: list[int]
+) -> Iterator[tuple[Any, ...]]:
+    """Rows with key in [lo, hi); a range that fails is halved down to single
+    keys, and the keys that still fail are appended to `bad`."""
+    try:
+        rows = src.execute(sql, (lo, hi)).fetchall()
+    except sqlite3.DatabaseError:
+        if hi - lo <= 1:
+            bad.append(lo)
+            return
+        mid = (lo + hi) // 2
+        yield from _read_range(src, sql, lo, mid, bad)
+        yield from _read_range(src, sql, mid, hi, bad)
+        return
+    yield from rows
+
+
+def _key_range(src: sqlite3.Connection, table: str, key: str, last: int | None) -> tuple[int, int] | None:
+    lo = _try(lambda: src.execute(f"SELECT min({key}) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
+    hi = _try(lambda: src.execute(f"SELECT max({key}) FROM {table}").fetchone()[0])  # noqa: S608
+    if hi is None:
+        hi = last
+    if lo is None and hi is not None:
+        lo = 1
+    if lo is None or hi is None:
+        return None
+    return int(lo), int(hi)
+
+
+def _outbox_row_ok(r: tuple[Any, ...]) -> bool:
+    """Flipped bytes can leave a row SQLite reads but that is not ours (NULLs,
+    wrong types): such a row counts as unreadable."""
+    seq, rid, pkey, topic, flags, recv, dseq, payload = r
+    return (
+        all(isinstance(x, int) for x in (seq, rid, flags, recv))
+        and isinstance(pkey, str)
+        and isinstance(topic, str)
+        and (dseq is None or isinstance(dseq, int))
+        and isinstance(payload, bytes)
+    )
+
+
+def _dead_row_ok(r: tuple[Any, ...]) -> bool:
+    recv, topic, qos, retain, reason, detail, payload, size = r
+    return (
+        all(isinstance(x, int) for x in (recv, qos, retain, size))
+        and isinstance(topic, (bytes, str))
+        and isinstance(reason, str)
+        and isinstance(detail, str)
+        and isinstance(payload, bytes)
+    )
+
+
+def _scan(src: sqlite3.Connection, sql: str) -> Iterator[tuple[Any, ...]]:
+    """Rows of `sql` until the first error."""
+    try:
+        cur = src.execute(sql)
+        while rows := cur.fetchmany(SALVAGE_CHUNK):
+            yield from rows
+    except sqlite3.DatabaseError as e:
+        log.warning("salvage scan stopped: %s", e)
+
+
+def _write_outbox(
+    dst: sqlite3.Connection, rows: Iterator[tuple[Any, ...]], route_ids: set[int], orphan_seqs: set[int]
+) -> tuple[int, int]:
+    """Insert the valid rows not yet in `dst` (seq kept); rows whose route is
+    unknown become dead letters.  Returns (records, dead letters) added."""
+    n = k = d = 0
+    batch: list[tuple[Any, ...]] = []
+    orphans: list[tuple[Any, ...]] = []
+
+    def flush() -> tuple[int, int]:
+        with sync_transaction(dst):
+            before = dst.total_changes
+            dst.executemany(f"INSERT OR IGNORE INTO outbox({OUTBOX_COLS}) VALUES (?,?,?,?,?,?,?,?)", batch)  # noqa: S608
+            added = dst.total_changes - before
+            fresh = list({r[0]: r for r in orphans if r[0] not in orphan_seqs}.values())
+            dst.executemany(
+                f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)",  # noqa: S608
+                [
+                    (
+                        r[5],
+                        r[3].encode(),
+                        r[4] & 3,
+                        (r[4] >> 2) & 1,
+                        "salvaged",
+                        f"salvaged from a damaged buffer (seq {r[0]}); its route was unreadable",
+                        r[7],
+                        len(r[7]),
+                    )
+                    for r in fresh
+                ],
+            )
+            orphan_seqs.update(r[0] for r in fresh)
+        batch.clear()
+        orphans.clear()
+        return added, len(fresh)
+
+    for r in rows:
+        if not _outbox_row_ok(r):
+            continue
+        (batch if r[1] in route_ids else orphans).append(r)
+        n += 1
+        if n % SALVAGE_CHUNK == 0:
+            a, b = flush()
+            k += a
+            d += b
+    a, b = flush()
+    return k + a, d + b
+
+
+OUTBOX_COLS: Final = "seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
+DEAD_COLS: Final = "received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
+
+
+def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Event:
+    """Copy everything readable from the damaged `src_path` into the fresh
+    buffer `dst_path` (schema created, empty).  See the module docstring."""
+    now = time.time() if now is None else now
+    src = sqlite3.connect(f"file:{src_path}?mode=ro", uri=True, timeout=5)
+    dst = sqlite3.connect(dst_path, isolation_level=None, timeout=5)
+    salvaged = unreadable = dead = 0
+    notes: list[str] = []
+    try:
+        epoch = _try(lambda: src.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone())
+        routes = _try(lambda: src.execute("SELECT id, stream, topic FROM routes").fetchall()) or []
+        last = _try(lambda: src.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone())
+        route_ids = {int(r[0]) for r in routes}
+        with sync_transaction(dst):
+            if epoch is not None:
+                dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch[0]),))
+            else:
+                notes.append("epoch unreadable: salvaged records get new ids")
+            dst.executemany("INSERT OR IGNORE INTO routes(id, stream, topic) VALUES (?, ?, ?)", routes)
+        span = _key_range(src, "outbox", "seq", None if last is None else int(last[0]))
+        top = 0
+        if span is not None:
+            sql = f"SELECT {OUTBOX_COLS} FROM outbox WHERE seq >= ? AND seq < ? ORDER BY seq"  # noqa: S608
+            orphan_seqs: set[int] = set()
+            for lo in range(span[0], span[1] + 1, SALVAGE_CHUNK):
+                rows = _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, span[1] + 1), [])
+                k, d = _write_outbox(dst, rows, route_ids, orphan_seqs)
+                salvaged += k
+                dead += d
+            # A damaged interior page can hide leaf pages from the seq search;
+            # a plain scan walks the leaves in b-tree order and may still reach them.
+            scan = _scan(src, f"SELECT {OUTBOX_COLS} FROM outbox")  # noqa: S608
+            k, d = _write_outbox(dst, scan, route_ids, orphan_seqs)
+            salvaged += k
+            dead += d
+            top = span[1]
+            unreadable = max(0, span[1] - span[0] + 1 - salvaged - dead)
+        old_last = None if last is None else int(last[0])
+        next_seq = old_last if old_last is not None else top + SEQ_MARGIN
+        if old_last is None:
+            notes.append(f"sequence unreadable: new records continue after seq {next_seq}")
+        with sync_transaction(dst):
+            # AUTOINCREMENT: the next seq follows the largest ever handed out.
+            dst.execute("DELETE FROM sqlite_sequence WHERE name = 'outbox'")
+            dst.execute("INSERT INTO sqlite_sequence(name, seq) VALUES ('outbox', ?)", (max(next_seq, top),))
+            drops = _try(lambda: src.execute("SELECT reason, count FROM drops").fetchall()) or []
+            dst.executemany("INSERT OR REPLACE INTO drops(reason, count) VALUES (?, ?)", drops)
+        dspan = _key_range(src, "dead_letters", "id", None)
+        if dspan is not None:
+            bad_dead: list[int] = []
+            sql = f"SELECT {DEAD_COLS} FROM dead_letters WHERE id >= ? AND id < ? ORDER BY id"  # noqa: S608
+            for lo in range(dspan[0], dspan[1] + 1, SALVAGE_CHUNK):
+                drows: list[tuple[Any, ...]] = []
+                for r in _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, dspan[1] + 1), bad_dead):
+                    if _dead_row_ok(r):
+                        drows.append(r)
+                    else:
+                        bad_dead.append(-1)
+                with sync_transaction(dst):
+                    dst.executemany(f"INSERT INTO dead_letters({DEAD_COLS}) VALUES (?,?,?,?,?,?,?,?)", drows)  # noqa: S608
+            if bad_dead:
+                notes.append(f"{len(bad_dead)} dead letters unreadable")
+    finally:
+        src.close()
+        dst.close()
+    detail = "; ".join(notes) or "all readable rows kept with their ids"
+    return Event(
+        "salvaged",
+        now,
+        detail,
+        aside=str(src_path),
+        salvaged=salvaged,
+        unreadable=unreadable,
+        dead_letters=dead,
+    )
+
+
+# -- the events in meta -----------------------------------------------------------
+
+
+def events_from_json(text: str | None) -> list[Event]:
+    if not text:
+        return []
+    try:
+        return [Event(**d) for d in json.loads(text)]
+    except (ValueError, TypeError):
+        return []
+
+
+def events_to_json(events: list[Event]) -> str:
+    return json.dumps([asdict(e) for e in events])
+
+
+def read_events(conn: sqlite3.Connection) -> list[Event]:
+    row = conn.execute("SELECT value FROM meta WHERE key = 'recovery'").fetchone()
+    return events_from_json(None if row is None else str(row[0]))
+
+
+def acknowledge(conn: sqlite3.Connection) -> int:
+    """Mark every recovery event acknowledged; returns how many were open."""
+    with sync_transaction(conn):
+        events = read_events(conn)
+        fresh = [e for e in events if not e.acknowledged]
+        for e in events:
+            e.acknowledged = True
+        conn.execute(
+            "INSERT OR REPLACE INTO meta(key, value) VALUES ('recovery', ?)", (events_to_json(events),)
+        )
+    return len(fresh)
