@@ -225,17 +225,22 @@ class Deliverer:
             raise BrokerLost("publish was not queued")
         return tracker.wait_for(mid)
 
-    async def _await_pubacks(self, futures: list[asyncio.Future[int]]) -> list[int | None]:
-        """Reason code per publish, None for those not acknowledged in time."""
+    async def _await_pubacks(self, futures: list[asyncio.Future[int]]) -> list[str]:
+        """Outcome per publish, in order, up to the first that was not
+        acknowledged in time: "" when the broker took it, else why it refused
+        it.  Those after a missing PUBACK are left out, to keep per-device
+        order: they go out again after reconnecting."""
         if futures:
             await asyncio.wait(futures, timeout=self._dl.publish_timeout_s)
-        out: list[int | None] = []
+        out: list[str] = []
         for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is None:
-                out.append(f.result())
-            else:
+            if not (f.done() and not f.cancelled() and f.exception() is None):
                 f.cancel()
-                out.append(None)
+                break
+            code = f.result()
+            out.append(f"broker refused the publish: reason 0x{code:02x}" if code >= REFUSED else "")
+        for f in futures[len(out) :]:
+            f.cancel()
         return out
 
     async def _publish_commands(
@@ -252,17 +257,13 @@ class Deliverer:
             )
             for c in live
         ]
-        codes = await self._await_pubacks(futures)
+        outcomes = await self._await_pubacks(futures)
         updates: list[tuple[str, CommandState, str]] = []
         delivered = 0
-        for c, code in zip(live, codes, strict=True):
-            if code is None:
-                break  # keep order: this one and the rest go out again after reconnecting
-            if code >= REFUSED:
-                updates.append(
-                    (c.id, CommandState.FAILED, f"broker refused the publish: reason 0x{code:02x}")
-                )
-                log.warning("deliver: broker refused command %s for %s (reason 0x%02x)", c.id, c.device, code)
+        for c, refused in zip(live, outcomes, strict=False):
+            if refused:
+                updates.append((c.id, CommandState.FAILED, refused))
+                log.warning("deliver: command %s for %s: %s", c.id, c.device, refused)
             else:
                 updates.append((c.id, CommandState.DELIVERED, ""))
                 delivered += 1
@@ -282,15 +283,11 @@ class Deliverer:
             )
             for c in configs
         ]
-        codes = await self._await_pubacks(futures)
-        updates: list[tuple[PendingConfig, str, str]] = []
-        for c, code in zip(configs, codes, strict=True):
-            if code is None:
-                break
-            if code >= REFUSED:
-                updates.append((c, "failed", f"broker refused the publish: reason 0x{code:02x}"))
-            else:
-                updates.append((c, "delivered", ""))
+        outcomes = await self._await_pubacks(futures)
+        updates = [
+            (c, "failed" if refused else "delivered", refused)
+            for c, refused in zip(configs, outcomes, strict=False)
+        ]
         await self._inbox.finish_configs(updates)
         if len(updates) < len(configs):
             raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
