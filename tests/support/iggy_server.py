@@ -32,6 +32,7 @@ _CERT_FILE, _KEY_FILE).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -389,3 +390,35 @@ def iggy_tls_server(tmp_path: Path) -> Iterator[IggyServer]:
         yield server
     finally:
         server.stop()
+
+
+def _bytes_sent_by_peer(peers: set[str]) -> dict[tuple[str, str], int]:
+    """bytes_sent of this process's TCP connections to `peers`, by (local, peer)."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    mine = f"pid={os.getpid()},"
+    sent: dict[tuple[str, str], int] = {}
+    for head, info in itertools.pairwise(lines):
+        fields = head.split()
+        if mine not in head or len(fields) < 4 or fields[3] not in peers:
+            continue
+        for part in info.split():
+            if part.startswith("bytes_sent:"):
+                sent[(fields[2], fields[3])] = int(part.split(":", 1)[1])
+    return sent
+
+
+async def busiest_peer(peers: list[str], window: float = 1.0) -> str:
+    """The one of `peers` this process sends the most bytes to over `window`
+    seconds (by the kernel's per-socket counters, `ss -ti`): under load, the
+    node the uplink uses, whichever node it dialed -- the SDK may have moved
+    the session to the leader after login."""
+    wanted = set(peers)
+    first = _bytes_sent_by_peer(wanted)
+    await asyncio.sleep(window)
+    second = _bytes_sent_by_peer(wanted)
+    deltas = {conn: n - first.get(conn, 0) for conn, n in second.items()}
+    if not deltas:
+        raise RuntimeError(f"no connection to any of {peers}")
+    (_local, peer), _ = max(deltas.items(), key=lambda kv: kv[1])
+    return peer
