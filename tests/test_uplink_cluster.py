@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from iggy_edge.cli.main import app
 from iggy_edge.config import ConfigError, IggySettings, Settings, load_config
 from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
 from iggy_edge.runtime import Agent, build_agent
@@ -27,6 +28,7 @@ from iggy_edge.uplink.iggy.cluster import decode_cluster_metadata
 from iggy_edge.uplink.iggy.connection import first_reachable
 from iggy_edge.uplink.protocol import UplinkUnavailable
 from pydantic import SecretStr
+from typer.testing import CliRunner
 
 from tests.support.agent import make_settings, wait_subscribed
 from tests.support.broker import Broker
@@ -406,3 +408,32 @@ async def test_cluster_node_in_use_is_killed_under_load(
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(1.0)
+
+
+# -- doctor ----------------------------------------------------------------------------
+
+
+@pytest.mark.iggy
+def test_doctor_checks_every_node_and_names_the_leader(
+    tmp_path: Path, broker: Broker, iggy_cluster: IggyCluster
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    nodes = [*iggy_cluster.addresses, dead]
+    leader = iggy_cluster.wait_leader(30)
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'gateway_id = "gw-doc"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "127.0.0.1"\nport = {broker.port}\n'
+        f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n'
+        f'[iggy]\nkind = "iggy"\naddresses = {json.dumps(nodes)}\n'
+        f'username = "{iggy_cluster.nodes[0].username}"\n'
+    )
+    argv = ["doctor", "-c", str(config), "--env-file", str(tmp_path / "no-env"), "--json"]
+    result = CliRunner().invoke(app, argv, env={"IGGY_PASSWORD": iggy_cluster.nodes[0].password})
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["iggy nodes"]["status"] == "warn", checks["iggy nodes"]
+    assert "3 of 4 reachable" in checks["iggy nodes"]["detail"]
+    assert dead in checks["iggy nodes"]["detail"]
+    assert checks["iggy"]["status"] == "ok", checks["iggy"]
+    assert checks["iggy cluster"]["status"] == "ok", checks["iggy cluster"]
+    assert f"({leader})" in checks["iggy cluster"]["detail"]
