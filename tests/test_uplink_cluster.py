@@ -26,7 +26,7 @@ from iggy_edge.runtime import Agent, build_agent
 from iggy_edge.uplink.iggy import IggyCommandSource, IggyUplink, send_command
 from iggy_edge.uplink.iggy.cluster import decode_cluster_metadata
 from iggy_edge.uplink.iggy.connection import first_reachable
-from iggy_edge.uplink.protocol import UplinkUnavailable
+from iggy_edge.uplink.protocol import UplinkAmbiguous, UplinkUnavailable
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
@@ -38,6 +38,7 @@ from tests.support.mqtt import Publisher
 from tests.support.ports import free_port
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.wait import async_wait_until
+from tests.test_uplink_iggy import rec
 
 # -- settings --------------------------------------------------------------------------
 
@@ -150,8 +151,57 @@ async def test_an_unreachable_first_node_is_skipped_at_once(iggy_server: IggySer
     await up.close()
 
 
-async def read_all(settings: IggySettings, topic: str = "telemetry") -> list[dict[str, Any]]:
-    """Every message in edge/<topic>, partition by partition, as (id, doc)."""
+@pytest.mark.iggy
+async def test_a_node_that_stops_answering_is_left_for_the_next(
+    tmp_path: Path, iggy_server: IggyServer
+) -> None:
+    """Two servers stand in for two nodes: the first freezes (SIGSTOP: its
+    connections stay open, nothing answers); the send in flight is ambiguous
+    within request_timeout_s, and the re-send of the same records (same ids)
+    goes to the second node."""
+    other = IggyServer(
+        tmp_path / "other", username=iggy_server.username, password=iggy_server.password
+    ).start()
+    try:
+        s = iggy_settings(
+            [iggy_server.address, other.address],
+            iggy_server.username,
+            iggy_server.password,
+            request_timeout_s=2.0,
+            connect_timeout_s=2.0,
+        )
+        up = IggyUplink(s, "gw-1", topics=[("edge", "telemetry")])
+        await up.start()
+        assert up.node == iggy_server.address
+        await up.send([rec(1, "a")])
+        iggy_server.pause()
+        t = time.monotonic()
+        with pytest.raises(UplinkAmbiguous):
+            await up.send([rec(2, "a")])
+        # The forwarder's re-sends: the same record, the same id.  (These two
+        # servers are no cluster: the first attempt on the second finds the
+        # topic missing, the next creates it.)
+        for _attempt in range(3):
+            try:
+                await up.send([rec(2, "a")])
+                break
+            except UplinkUnavailable:
+                continue
+        assert time.monotonic() - t < 2.0 + 3 * 2.0 + 3.0
+        assert up.node == other.address
+        await up.close()
+        stored = await read_all(iggy_settings([other.address], other.username, other.password), raw=True)
+        assert [m["id"] for m in stored] == [rec(2, "a").message_id]
+    finally:
+        iggy_server.resume()
+        other.stop()
+
+
+async def read_all(
+    settings: IggySettings, topic: str = "telemetry", *, raw: bool = False
+) -> list[dict[str, Any]]:
+    """Every message in edge/<topic>, partition by partition: its id and
+    partition, and the JSON payload's fields unless `raw`."""
     source = IggyCommandSource(settings, "gw-test", "test-reader")
     out: list[dict[str, Any]] = []
     try:
@@ -162,7 +212,8 @@ async def read_all(settings: IggySettings, topic: str = "telemetry") -> list[dic
                 if not batch:
                     break
                 for m in batch:
-                    out.append({"id": m.message_id, "partition": partition, **json.loads(m.payload)})
+                    doc = {} if raw else json.loads(m.payload)
+                    out.append({"id": m.message_id, "partition": partition, **doc})
                 offset = batch[-1].offset + 1
     finally:
         await source.close()
