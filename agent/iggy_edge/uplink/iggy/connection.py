@@ -53,7 +53,7 @@ import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
 
@@ -71,6 +71,17 @@ log = logging.getLogger(__name__)
 atexit.register(gc.collect)
 
 T = TypeVar("T")
+
+# Said when a server accepts the TCP connection but the login gets no answer
+# the SDK can read: checked with endpoints that close at once, answer junk,
+# answer HTTP or stay silent -- SDK 0.9.0 says "Disconnected" (or times out)
+# for each, exactly what a server dying mid-login would give, so this is a
+# hint, not a verdict.  Iggy 0.10 changed the wire protocol.
+PROTOCOL_HINT: Final = (
+    "the server accepted the connection but did not answer the login in the protocol "
+    "apache-iggy 0.9 speaks: is it iggy-server 0.9.x on its TCP port? Iggy 0.10 and later "
+    "speak another wire protocol, and a TLS-only port (iggy.tls) does the same"
+)
 
 # Builds the SDK client from its config; tests substitute a fake.
 ClientFactory = Callable[[TcpConfig], IggyClient]
@@ -155,17 +166,21 @@ class Connection:
         except (ValueError, RuntimeError) as e:
             raise UplinkRejected(f"iggy {self.role}: bad connection settings: {e}") from e
         deadline = time.monotonic() + s.connect_timeout_s
+        connected = False
         try:
             await asyncio.wait_for(client.connect(), s.connect_timeout_s)
+            connected = True
             remaining = max(0.001, deadline - time.monotonic())
             await asyncio.wait_for(client.login_user(s.username, password), remaining)
         except TimeoutError as e:
             raise UplinkUnavailable(
                 f"iggy {self.role}: no connection to {address} within {s.connect_timeout_s}s"
+                + (f" ({PROTOCOL_HINT})" if connected else "")
             ) from e
         except (RuntimeError, OSError) as e:
+            hint = f" ({PROTOCOL_HINT})" if connected and "disconnected" in str(e).lower() else ""
             raise UplinkUnavailable(
-                f"iggy {self.role}: cannot connect/log in to {address} as {s.username!r}: {e}"
+                f"iggy {self.role}: cannot connect/log in to {address} as {s.username!r}: {e}{hint}"
             ) from e
         log.info("iggy %s connected to %s as %s", self.role, address, s.username)
         return client
