@@ -19,7 +19,7 @@ failover
 
 Skipped (a "skipped" line) when iggy-server is not on PATH.
 
-    .venv/bin/python bench/failover_bench.py [--cut 60] [--repeat 3] [--quick]
+    .venv/bin/python bench/failover_bench.py [--cut 60] [--repeat 3] [--only recovery|failover] [--quick]
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cut", type=float, default=60.0, help="seconds the link is cut")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("recovery", "failover"), help="measure only this")
     ap.add_argument("--quick", action="store_true", help="a 3 s cut, one run each (smoke test)")
     args = ap.parse_args()
     if args.quick:
@@ -190,7 +191,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="failover-bench-") as tmp:
         root = Path(tmp)
-        for probe in (True, False):
+        for probe in (True, False) if args.only != "failover" else ():
             runs = [
                 asyncio.run(recovery_once(root / f"cut-{probe}-{i}", args.cut, probe))
                 for i in range(args.repeat)
@@ -203,8 +204,22 @@ def main() -> None:
                 cut_s=args.cut,
                 **spread(runs, 2),
             )
-        runs = [asyncio.run(failover_once(root / f"failover-{i}")) for i in range(args.repeat)]
-        emit(BENCH, "failover", spread(runs, 2)["median"], "s", nodes=3, **spread(runs, 2))
+        if args.only == "recovery":
+            return
+        runs, stalled = [], 0
+        for i in range(args.repeat):
+            try:
+                runs.append(asyncio.run(failover_once(root / f"failover-{i}")))
+            except TimeoutError as e:
+                # Seen once in ~15 fresh clusters: no write confirmed within
+                # 60 s of the start, before any kill.  Counted, not hidden.
+                print(f"failover run {i}: {e}", file=sys.stderr)
+                stalled += 1
+        if runs:
+            figures = spread(runs, 2)
+            emit(BENCH, "failover", figures["median"], "s", nodes=3, stalled=stalled, **figures)
+        else:
+            emit(BENCH, "failover", None, "s", nodes=3, stalled=stalled)
 
 
 if __name__ == "__main__":
