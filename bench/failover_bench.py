@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -169,7 +171,14 @@ async def failover_once(workdir: Path) -> float:
             await asyncio.wait_for(fwd.up.wait(), 60)
             return time.monotonic() - killed
 
-        return await run_agent(s, None, broker, body, rate=150)
+        try:
+            return await run_agent(s, None, broker, body, rate=150)
+        except TimeoutError:
+            keep = os.environ.get("FAILOVER_BENCH_KEEP")
+            if keep:  # the nodes' logs, for a look at a stalled cluster
+                for node in cluster.nodes:
+                    shutil.copy(node.log_path, Path(keep) / f"{workdir.name}-{node.workdir.name}.log")
+            raise
     finally:
         cluster.stop()
         broker.stop()
