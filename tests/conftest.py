@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.broker import Broker, mosquitto_binary
-from tests.support.iggy_server import iggy_server  # noqa: F401 -- fixture, see the module
+from tests.support.iggy_server import iggy_cluster, iggy_server  # noqa: F401 -- fixtures, see the module
 
 
 @pytest.fixture

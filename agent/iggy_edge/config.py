@@ -8,7 +8,8 @@ command line; they are `SecretStr` so they never reach a log line.
 Environment variables (they override the file):
 
 =====================  ================================================
-IGGY_ADDRESS           host:port of the Iggy server (enables the iggy uplink)
+IGGY_ADDRESS           host:port of the Iggy server, or several comma-separated
+                       (cluster nodes); enables the iggy uplink
 IGGY_USERNAME          Iggy user
 IGGY_PASSWORD          Iggy password
 IGGY_TLS               "1"/"true" to use TLS
@@ -229,6 +230,10 @@ class IggySettings(_Model):
     # "memory": in-process, for tests and benchmarks.
     kind: Literal["iggy", "none", "file", "memory"] = "none"
     address: str = "127.0.0.1:8090"
+    # Several nodes of one Iggy cluster, tried in this order; when set it
+    # replaces `address` (see `nodes`).  The agent moves to the next node
+    # when the one in use cannot be reached or stops answering.
+    addresses: Annotated[tuple[str, ...], Field(max_length=16)] = ()
     username: str = "iggy"
     password: SecretStr | None = None
     tls: bool = False
@@ -246,10 +251,23 @@ class IggySettings(_Model):
         if self.kind == "file" and self.file_path is None:
             raise ValueError("file_path is required when kind = 'file'")
         if self.kind == "iggy":
-            m = re.match(r"^([^:\s]+):(\d{1,5})$", self.address)
-            if not m or not 0 < int(m.group(2)) < 65536:
-                raise ValueError(f"address must be host:port (port 1-65535), got {self.address!r}")
+            for a in self.nodes:
+                m = re.match(r"^([^:\s,]+):(\d{1,5})$", a)
+                if not m or not 0 < int(m.group(2)) < 65536:
+                    raise ValueError(f"address must be host:port (port 1-65535), got {a!r}")
+            if len(set(self.nodes)) != len(self.nodes):
+                raise ValueError(f"addresses lists a node twice: {list(self.nodes)}")
         return self
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The Iggy nodes to use, in order: `addresses`, or else `address`."""
+        return self.addresses or (self.address,)
+
+    @property
+    def where(self) -> str:
+        """The nodes for messages: "host:port" or "h1:p, h2:p, ..."."""
+        return ", ".join(self.nodes)
 
 
 class BufferSettings(_Model):
@@ -388,7 +406,10 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     if "IGGY_ADDRESS" in env:
-        _set(raw, "iggy.address", env["IGGY_ADDRESS"])
+        # "host:port" or a comma-separated list of cluster nodes.
+        nodes = [a.strip() for a in env["IGGY_ADDRESS"].split(",") if a.strip()]
+        _set(raw, "iggy.address", nodes[0] if nodes else env["IGGY_ADDRESS"])
+        _set(raw, "iggy.addresses", nodes if len(nodes) > 1 else [])
         _set(raw, "iggy.kind", "iggy")
     simple = {
         "IGGY_USERNAME": "iggy.username",

@@ -32,6 +32,7 @@ _CERT_FILE, _KEY_FILE).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -44,6 +45,10 @@ from pathlib import Path
 
 import pytest
 from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
+from iggy_edge.config import IggySettings
+from iggy_edge.uplink.iggy import IggyProbe
+from iggy_edge.uplink.protocol import UplinkError
+from pydantic import SecretStr
 
 from .ports import free_port
 
@@ -109,6 +114,9 @@ class IggyServer:
     password: str = ROOT_PASSWORD
     tls: TlsFiles | None = None
     proc: subprocess.Popen[bytes] | None = None
+    # A cluster node (see IggyCluster): its roster file and replica id.
+    config_path: Path | None = None
+    replica_id: int | None = None
 
     @property
     def address(self) -> str:
@@ -135,6 +143,8 @@ class IggyServer:
                 "IGGY_SYSTEM_MEMORY_POOL_SIZE": "512 MiB",  # the minimum; default 4 GiB
             }
         )
+        if self.config_path is not None:
+            env["IGGY_CONFIG_PATH"] = str(self.config_path)
         if self.tls is not None:
             env.update(
                 {
@@ -151,21 +161,27 @@ class IggyServer:
         if binary is None:
             raise RuntimeError(SKIP_REASON)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [binary],
-                cwd=self.workdir,
-                env=self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.launch(binary)
         try:
             self.wait_ready(timeout)
         except (TimeoutError, RuntimeError):
             self.stop()
             raise
         return self
+
+    def launch(self, binary: str) -> None:
+        """Start the process without waiting for it (a cluster starts all
+        its nodes first: a node may wait for its peers)."""
+        with self.log_path.open("ab") as log:
+            args = [binary] if self.replica_id is None else [binary, "--replica-id", str(self.replica_id)]
+            self.proc = subprocess.Popen(
+                args,
+                cwd=self.workdir,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_ready(self, timeout: float) -> None:
         """Until a client can connect and log in (the TCP port opens before
@@ -205,6 +221,19 @@ class IggyServer:
             # at interpreter exit can abort the process (SDK 0.9.0).
             del client
 
+    async def leader(self) -> str | None:
+        """The leader's address as this node tells it (None when it does
+        not answer or names none)."""
+        settings = IggySettings(
+            kind="iggy", address=self.address, username=self.username, password=SecretStr(self.password)
+        )
+        try:
+            async with IggyProbe(settings, timeout_s=2.0) as probe:
+                leader = (await probe.cluster()).leader
+        except UplinkError:
+            return None
+        return None if leader is None else leader.address
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -240,6 +269,103 @@ class IggyServer:
             proc.wait()
 
 
+CLUSTER_NAME = "iggy-edge-test"
+
+
+def cluster_roster(nodes: list[IggyServer], replica_ports: list[int]) -> str:
+    """The minimal cluster config every node reads (byte-identical): cluster
+    mode on and the roster.  In cluster mode the roster is the only source of
+    listener ports; HTTP, QUIC and WebSocket are off (by environment), so only
+    `tcp` and `tcp_replica` are needed."""
+    lines = ["[cluster]", "enabled = true", f'name = "{CLUSTER_NAME}"', ""]
+    for i, (node, replica_port) in enumerate(zip(nodes, replica_ports, strict=True)):
+        lines += [
+            "[[cluster.nodes]]",
+            f'name = "node-{i}"',
+            'ip = "127.0.0.1"',
+            f"replica_id = {i}",
+            f"ports = {{ tcp = {node.port}, tcp_replica = {replica_port} }}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+@dataclass
+class IggyCluster:
+    """Three `iggy-server --replica-id N` on 127.0.0.1 (VSR), each with its own
+    data directory and ports, all reading one roster file (IGGY_CONFIG_PATH).
+
+    The server's defaults (core/server/config.toml) also open HTTP (3000),
+    QUIC (8080) and WebSocket (8092): they are disabled by environment, as
+    for the single server, so nodes never clash on a port."""
+
+    workdir: Path
+    size: int = 3
+    nodes: list[IggyServer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "cluster.toml"
+        self.nodes = [
+            IggyServer(self.workdir / f"node-{i}", config_path=config, replica_id=i) for i in range(self.size)
+        ]
+        config.write_text(cluster_roster(self.nodes, [free_port() for _ in self.nodes]))
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    def start(self, timeout: float = 90.0) -> IggyCluster:
+        binary = iggy_server_binary()
+        if binary is None:
+            raise RuntimeError(SKIP_REASON)
+        for node in self.nodes:
+            node.workdir.mkdir(parents=True, exist_ok=True)
+            node.launch(binary)
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+            self.wait_leader(timeout)
+        except (TimeoutError, RuntimeError):
+            self.stop()
+            raise
+        return self
+
+    def wait_leader(self, timeout: float, among: list[IggyServer] | None = None) -> str:
+        """Until every running node (of `among`) names the same leader in its
+        cluster metadata; returns the leader's address."""
+        nodes = [n for n in (among or self.nodes) if n.proc is not None]
+        deadline = time.monotonic() + timeout
+        seen: list[str | None] = []
+        while time.monotonic() < deadline:
+            with ThreadPoolExecutor(1) as pool:
+                seen = [pool.submit(asyncio.run, n.leader()).result() for n in nodes]
+            if seen and seen[0] is not None and all(x == seen[0] for x in seen):
+                return seen[0]
+            time.sleep(0.2)
+        raise TimeoutError(f"no agreed cluster leader after {timeout}s (nodes say {seen})")
+
+    def node_at(self, address: str) -> IggyServer:
+        return next(n for n in self.nodes if n.address == address)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def iggy_cluster(tmp_path: Path) -> Iterator[IggyCluster]:
+    """A fresh 3-node iggy-server cluster for one test; skips when the binary
+    is missing."""
+    if iggy_server_binary() is None:
+        pytest.skip(SKIP_REASON)
+    cluster = IggyCluster(tmp_path / "cluster").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def iggy_server(tmp_path: Path) -> Iterator[IggyServer]:
     """A fresh iggy-server for one test; skips when the binary is missing."""
@@ -264,3 +390,35 @@ def iggy_tls_server(tmp_path: Path) -> Iterator[IggyServer]:
         yield server
     finally:
         server.stop()
+
+
+def _bytes_sent_by_peer(peers: set[str]) -> dict[tuple[str, str], int]:
+    """bytes_sent of this process's TCP connections to `peers`, by (local, peer)."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    mine = f"pid={os.getpid()},"
+    sent: dict[tuple[str, str], int] = {}
+    for head, info in itertools.pairwise(lines):
+        fields = head.split()
+        if mine not in head or len(fields) < 4 or fields[3] not in peers:
+            continue
+        for part in info.split():
+            if part.startswith("bytes_sent:"):
+                sent[(fields[2], fields[3])] = int(part.split(":", 1)[1])
+    return sent
+
+
+async def busiest_peer(peers: list[str], window: float = 1.0) -> str:
+    """The one of `peers` this process sends the most bytes to over `window`
+    seconds (by the kernel's per-socket counters, `ss -ti`): under load, the
+    node the uplink uses, whichever node it dialed -- the SDK may have moved
+    the session to the leader after login."""
+    wanted = set(peers)
+    first = _bytes_sent_by_peer(wanted)
+    await asyncio.sleep(window)
+    second = _bytes_sent_by_peer(wanted)
+    deltas = {conn: n - first.get(conn, 0) for conn, n in second.items()}
+    if not deltas:
+        raise RuntimeError(f"no connection to any of {peers}")
+    (_local, peer), _ = max(deltas.items(), key=lambda kv: kv[1])
+    return peer

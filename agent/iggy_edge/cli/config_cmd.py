@@ -28,7 +28,7 @@ def check(
     routes = ", ".join(f"{r.filter} -> {r.stream}/{r.topic}" for r in settings.routes)
     typer.secho(f"{file}: ok", fg=typer.colors.GREEN)
     typer.echo(f"  gateway {settings.gateway_id}, broker {settings.mqtt.host}:{settings.mqtt.port}")
-    where = f" {settings.iggy.address}" if settings.iggy.kind == "iggy" else ""
+    where = f" {settings.iggy.where}" if settings.iggy.kind == "iggy" else ""
     typer.echo(f"  uplink {settings.iggy.kind}{where}")
     b = settings.buffer
     typer.echo(f"  buffer {settings.buffer_path} ({b.overflow}, synchronous={b.synchronous})")

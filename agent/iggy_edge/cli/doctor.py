@@ -11,8 +11,10 @@ Checks, each bounded in time and independent of the others:
 * broker      TCP reachability, then an MQTT CONNECT with the configured
               credentials under a separate client id (never the agent's: that
               would take over its persistent session)
-* iggy        reachability, login, the topics the routes need and the user's
-              permissions to send / create / poll (kind = "iggy" only)
+* iggy        reachability of every node (``iggy nodes`` when several are
+              configured), login, the cluster's leader as the server tells
+              it (``iggy cluster``), the topics the routes need and the
+              user's permissions to send / create / poll (kind = "iggy" only)
 * agent       whether a running agent answers on its health endpoint
 
 Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
@@ -41,7 +43,7 @@ from gmqtt.mqtt.constants import MQTTv50
 from gmqtt.mqtt.handler import MQTTConnectError
 
 from ..buffer_admin import read_stats
-from ..config import ConfigError, Settings, load_config
+from ..config import ConfigError, IggySettings, Settings, load_config
 from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
@@ -106,7 +108,7 @@ def check_config(path: Path, env: Mapping[str, str]) -> tuple[Check, Settings | 
         return Check(
             "config", "fail", f"{e.source}: {lines}", f"edit {path}, then: iggy-edge config check {path}"
         ), None
-    where = settings.iggy.address if settings.iggy.kind == "iggy" else settings.iggy.kind
+    where = settings.iggy.where if settings.iggy.kind == "iggy" else settings.iggy.kind
     return Check("config", "ok", f"{path}: gateway {settings.gateway_id}, uplink {where}"), settings
 
 
@@ -269,18 +271,12 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
                 'set [iggy] kind = "iggy" and address' if status == "warn" else "",
             )
         ]
-    host, _, port = s.address.rpartition(":")
-    problem = await asyncio.to_thread(_tcp, host, int(port), timeout)
-    if problem is not None:
-        return [
-            Check(
-                "iggy",
-                "fail",
-                f"cannot reach {s.address}: {problem}",
-                "check iggy.address (IGGY_ADDRESS), the server, DNS and the firewall; the agent keeps "
-                "buffering meanwhile",
-            )
-        ]
+    checks, reachable = await _iggy_nodes(s, timeout)
+    if not reachable:
+        return checks
+    # Log in through the first reachable node (the probe moves on by itself
+    # when one fails, as the agent does).
+    s = s.model_copy(update={"addresses": tuple(reachable)})
     probe = IggyProbe(s, timeout_s=timeout)
     try:
         try:
@@ -296,12 +292,60 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
                 fix = "check iggy.tls_ca_file / tls_domain against the server's certificate"
             else:
                 fix = "is it an Iggy TCP endpoint (default port 8090)? does the server need TLS (IGGY_TLS)?"
-            return [Check("iggy", "fail", f"login to {s.address} as {s.username!r} failed: {e}", fix)]
-        checks = [Check("iggy", "ok", f"{s.address}: logged in as {s.username!r}")]
+            return [*checks, Check("iggy", "fail", f"login to {s.where} as {s.username!r} failed: {e}", fix)]
+        checks.append(Check("iggy", "ok", f"{probe.node}: logged in as {s.username!r}"))
+        if len(settings.iggy.nodes) > 1:
+            checks.append(await _iggy_leader(probe))
         checks.append(await _iggy_permissions(settings, probe))
         return checks
     finally:
         await probe.close()
+
+
+async def _iggy_nodes(s: IggySettings, timeout: float) -> tuple[list[Check], list[str]]:
+    """A TCP connect to every configured node (at once): the reachable ones,
+    and a check saying which are (only when some are not, or several are
+    configured)."""
+
+    async def reach(address: str) -> str | None:
+        host, _, port = address.rpartition(":")
+        return await asyncio.to_thread(_tcp, host, int(port), timeout)
+
+    problems = await asyncio.gather(*(reach(a) for a in s.nodes))
+    reachable = [a for a, p in zip(s.nodes, problems, strict=True) if p is None]
+    down = [f"{a} ({p})" for a, p in zip(s.nodes, problems, strict=True) if p is not None]
+    fix = (
+        "check iggy.address / iggy.addresses (IGGY_ADDRESS), the server, DNS and the firewall; the agent "
+        "keeps buffering meanwhile"
+    )
+    if not reachable:
+        return [Check("iggy", "fail", f"cannot reach {'; '.join(down)}", fix)], []
+    if len(s.nodes) == 1:
+        return [], reachable
+    detail = f"{len(reachable)} of {len(s.nodes)} reachable: {', '.join(reachable)}"
+    if down:
+        return [Check("iggy nodes", "warn", f"{detail}; unreachable: {'; '.join(down)}", fix)], reachable
+    return [Check("iggy nodes", "ok", detail)], reachable
+
+
+async def _iggy_leader(probe: IggyProbe) -> Check:
+    """Which node leads, as the node we logged in to tells it."""
+    try:
+        meta = await probe.cluster()
+    except UplinkError as e:
+        return Check("iggy cluster", "skip", f"the server does not tell its cluster's leader: {e}")
+    leader = meta.leader
+    nodes = ", ".join(f"{n.name} {n.address} {n.role} {n.status}" for n in meta.nodes)
+    if leader is None:
+        return Check(
+            "iggy cluster",
+            "warn",
+            f"cluster {meta.name!r} names no leader (an election under way?): {nodes}",
+            "run doctor again in a few seconds; if it persists, check the cluster's logs",
+        )
+    return Check(
+        "iggy cluster", "ok", f"cluster {meta.name!r}, leader {leader.name} ({leader.address}); {nodes}"
+    )
 
 
 async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:

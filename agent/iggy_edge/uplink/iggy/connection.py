@@ -28,22 +28,37 @@ Bounded calls
     connection.  A connected client still referenced at interpreter exit can
     abort the process (SIGABRT, SDK 0.9.0), so `close()` logs out and lets go
     of it.
+
+Several nodes
+    With ``addresses`` (the nodes of one cluster) the connection uses one node
+    at a time.  When connecting to it fails, the next node is tried at once
+    (each within ``connect_timeout_s``), once per node and call; when all fail
+    the call raises `UplinkUnavailable` and the caller's capped, jittered
+    backoff applies.  After a call on an established client fails without a
+    server answer (lost connection, no answer in time), the next connect
+    starts at the *next* node: a node that stopped answering is left for
+    another, while a node that answered with an error stays.  Nothing about
+    ambiguity changes: a batch that may have been written is re-sent with
+    the same message ids, to whichever node is in use.  The SDK 0.9 client
+    finds the cluster's leader after login by itself (it redirects), but
+    cannot leave a node that is gone, hence this.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, TypeVar
 
 from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
 
 from ...config import IggySettings
-from ..protocol import UplinkAmbiguous, UplinkRejected, UplinkUnavailable
+from ..protocol import UplinkAmbiguous, UplinkError, UplinkRejected, UplinkUnavailable
 from .errors import classify
 
 log = logging.getLogger(__name__)
@@ -56,6 +71,17 @@ log = logging.getLogger(__name__)
 atexit.register(gc.collect)
 
 T = TypeVar("T")
+
+# Said when a server accepts the TCP connection but the login gets no answer
+# the SDK can read: checked with endpoints that close at once, answer junk,
+# answer HTTP or stay silent -- SDK 0.9.0 says "Disconnected" (or times out)
+# for each, exactly what a server dying mid-login would give, so this is a
+# hint, not a verdict.  Iggy 0.10 changed the wire protocol.
+PROTOCOL_HINT: Final = (
+    "the server accepted the connection but did not answer the login in the protocol "
+    "apache-iggy 0.9 speaks: is it iggy-server 0.9.x on its TCP port? Iggy 0.10 and later "
+    "speak another wire protocol, and a TLS-only port (iggy.tls) does the same"
+)
 
 # Builds the SDK client from its config; tests substitute a fake.
 ClientFactory = Callable[[TcpConfig], IggyClient]
@@ -76,11 +102,20 @@ class Connection:
         self._factory: ClientFactory = client_factory or IggyClient
         self._client: IggyClient | None = None
         self._lock = asyncio.Lock()
+        self._nodes = settings.nodes
+        self._next = 0  # index of the node the next connect starts with
+        self.node: str | None = None  # the node of the current client
 
-    def _tcp_config(self) -> TcpConfig:
+    def prefer(self, address: str) -> None:
+        """Start the next connect at `address` (one the recovery probe found
+        reachable); ignored for an unknown address or while connected."""
+        if self._client is None and address in self._nodes:
+            self._next = self._nodes.index(address)
+
+    def _tcp_config(self, address: str) -> TcpConfig:
         s = self.settings
         return TcpConfig(
-            server_address=s.address,
+            server_address=address,
             auto_login=AutoLogin.disabled(),
             # No SDK reconnection at all: a lost connection fails the request
             # at once ("Disconnected") and we build a fresh client on the next
@@ -101,33 +136,70 @@ class Connection:
         async with self._lock:
             if self._client is not None:
                 return self._client
-            s = self.settings
-            password = s.password.get_secret_value() if s.password is not None else ""
-            try:
-                client = self._factory(self._tcp_config())
-            except (ValueError, RuntimeError) as e:
-                raise UplinkRejected(f"iggy {self.role}: bad connection settings: {e}") from e
-            deadline = time.monotonic() + s.connect_timeout_s
-            try:
-                await asyncio.wait_for(client.connect(), s.connect_timeout_s)
-                remaining = max(0.001, deadline - time.monotonic())
-                await asyncio.wait_for(client.login_user(s.username, password), remaining)
-            except TimeoutError as e:
-                raise UplinkUnavailable(
-                    f"iggy {self.role}: no connection to {s.address} within {s.connect_timeout_s}s"
-                ) from e
-            except (RuntimeError, OSError) as e:
-                raise UplinkUnavailable(
-                    f"iggy {self.role}: cannot connect/log in to {s.address} as {s.username!r}: {e}"
-                ) from e
-            log.info("iggy %s connected to %s as %s", self.role, s.address, s.username)
-            self._client = client
-            return client
+            problems: list[str] = []
+            first_error: UplinkError | None = None
+            n = len(self._nodes)
+            for i in range(n):
+                index = (self._next + i) % n
+                address = self._nodes[index]
+                try:
+                    client = await self._connect(address)
+                except UplinkRejected:
+                    raise  # bad settings: no other node will take them either
+                except UplinkUnavailable as e:
+                    problems.append(str(e))
+                    first_error = first_error or e
+                    continue
+                self._next = index
+                self._client = client
+                self.node = address
+                return client
+            if n == 1 and first_error is not None:
+                raise first_error
+            raise UplinkUnavailable(f"iggy {self.role}: no node answered: " + "; ".join(problems))
+
+    async def _connect(self, address: str) -> IggyClient:
+        s = self.settings
+        password = s.password.get_secret_value() if s.password is not None else ""
+        try:
+            client = self._factory(self._tcp_config(address))
+        except (ValueError, RuntimeError) as e:
+            raise UplinkRejected(f"iggy {self.role}: bad connection settings: {e}") from e
+        deadline = time.monotonic() + s.connect_timeout_s
+        connected = False
+        try:
+            await asyncio.wait_for(client.connect(), s.connect_timeout_s)
+            connected = True
+            remaining = max(0.001, deadline - time.monotonic())
+            await asyncio.wait_for(client.login_user(s.username, password), remaining)
+        except TimeoutError as e:
+            raise UplinkUnavailable(
+                f"iggy {self.role}: no connection to {address} within {s.connect_timeout_s}s"
+                + (f" ({PROTOCOL_HINT})" if connected else "")
+            ) from e
+        except (RuntimeError, OSError) as e:
+            hint = f" ({PROTOCOL_HINT})" if connected and "disconnected" in str(e).lower() else ""
+            raise UplinkUnavailable(
+                f"iggy {self.role}: cannot connect/log in to {address} as {s.username!r}: {e}{hint}"
+            ) from e
+        log.info("iggy %s connected to %s as %s", self.role, address, s.username)
+        return client
 
     def drop(self) -> None:
         """Forget the client; its connection closes when the object is freed
-        (dropping it also stops its heartbeat task)."""
+        (dropping it also stops its heartbeat task).  The next connect starts
+        at the next node."""
+        if self._client is not None:
+            self._next = (self._next + 1) % len(self._nodes)
         self._client = None
+        self.node = None
+
+    async def reachable(self, timeout: float) -> str | None:
+        """The first node (in order, starting at the preferred one) that
+        accepts a TCP connection within `timeout`, or None.  One connect per
+        node, all at once, closed at once: the cheap look the forwarder's
+        recovery probe takes while the uplink is down."""
+        return await first_reachable(self._nodes[self._next :] + self._nodes[: self._next], timeout)
 
     async def call(
         self,
@@ -160,3 +232,22 @@ class Connection:
                 await asyncio.wait_for(client.logout_user(), 1.0)
             except (RuntimeError, OSError, TimeoutError) as e:
                 log.debug("iggy %s logout on close failed: %s", self.role, e)
+
+
+async def _tcp_open(address: str, timeout: float) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def first_reachable(addresses: Sequence[str], timeout: float) -> str | None:
+    """The first of `addresses` that accepts a TCP connection within
+    `timeout` (all tried at once), or None."""
+    results = await asyncio.gather(*(_tcp_open(a, timeout) for a in addresses))
+    return next((a for a, ok in zip(addresses, results, strict=True) if ok), None)

@@ -2,7 +2,7 @@
 
 `IggyProbe` logs in with the agent's settings under its own connection (so
 it never disturbs a running agent's), and answers the questions doctor asks:
-does this topic / stream exist, what may this user do.  It creates nothing,
+does this topic / stream exist, what may this user do, which node leads.  It creates nothing,
 every call is bounded by the probe's timeout, and every failure is an
 `UplinkError` (classified like the agent's own calls, errors.py).
 """
@@ -14,6 +14,8 @@ from types import TracebackType
 from apache_iggy import StreamDetails, TopicDetails, UserInfoDetails
 
 from ...config import IggySettings
+from ..protocol import UplinkRejected
+from .cluster import GET_CLUSTER_METADATA_CODE, ClusterMetadata, decode_cluster_metadata
 from .connection import ClientFactory, Connection
 from .topics import get_topic
 
@@ -45,6 +47,23 @@ class IggyProbe:
         server does not tell (no such user, or no right to read users)."""
         client = await self._conn.client()
         return await self._conn.call("get user", client.get_user(username))
+
+    async def cluster(self) -> ClusterMetadata:
+        """The cluster's nodes and leader as this node tells them (a server
+        outside cluster mode names itself alone)."""
+        client = await self._conn.client()
+        reply = await self._conn.call(
+            "get cluster metadata", client.send_binary_request(GET_CLUSTER_METADATA_CODE, b"")
+        )
+        try:
+            return decode_cluster_metadata(bytes(reply))
+        except ValueError as e:
+            raise UplinkRejected(f"iggy probe: {e}") from e
+
+    @property
+    def node(self) -> str | None:
+        """The node this probe is logged in to."""
+        return self._conn.node
 
     async def close(self) -> None:
         await self._conn.close()

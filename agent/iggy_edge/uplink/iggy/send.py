@@ -106,6 +106,19 @@ class IggyUplink:
                 raise UplinkUnavailable(str(e), confirmed=confirmed) from e
             raise
 
+    async def reachable(self, timeout: float) -> bool:
+        """Whether some node accepts a TCP connection now (the forwarder's
+        recovery probe); the next connect starts at the first such node."""
+        node = await self._conn.reachable(timeout)
+        if node is not None:
+            self._conn.prefer(node)
+        return node is not None
+
+    @property
+    def node(self) -> str | None:
+        """The node in use (None while not connected)."""
+        return self._conn.node
+
     async def close(self) -> None:
         await self._conn.close()
 
