@@ -310,6 +310,9 @@ class DownlinkSettings(_Model):
     mirror_timeout_s: Seconds = 2.0
     # Finished commands stay listed (and de-duplicated by id) this long.
     history_s: Annotated[int, Field(ge=60, le=TEN_YEARS_S)] = 7 * 24 * 3600
+    # Restore (broker lost its retained configs; `config republish`): configs
+    # published again per second at most, so thousands do not flood the broker.
+    republish_rate: Annotated[float, Field(gt=0, le=100_000)] = 50.0
 
     @field_validator("stream", "commands_topic", "config_topic")
     @classmethod
