@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -287,6 +288,56 @@ async def test_the_gateway_restarting_with_the_broker_restores_too(tmp_path: Pat
             await async_wait_until(lambda: agent.metric(REPUBLISHED) == 3, RESTORE_BOUND_S, what="restored")
             final = await retained_now(broker.port)
             assert sorted((d, cid) for d, cid, _ in final) == sorted(expected.items())
+    finally:
+        await proxy.stop()
+        broker.stop()
+
+
+async def test_a_crash_after_an_autosave_restores_what_changed_since(tmp_path: Path) -> None:
+    """The broker comes back with its last autosave: the sessions are there
+    (ingest sees nothing amiss), a config delivered since is not.  The
+    deliverer publishes the configs of the last republish_recent_s again."""
+    broker, proxy, settings, iggy = await setup(tmp_path)
+    saved = tmp_path / "autosave.db"
+    try:
+        async with running(settings, iggy) as agent:
+            push_config(iggy, settings, "dev-a", {"period_s": 1}, "a-1")
+            await async_wait_until(lambda: all_delivered(settings, {"dev-a": "a-1"}), 20, what="a-1")
+            broker.stop()  # SIGTERM: Mosquitto writes its database, as an autosave does
+            shutil.copy(broker.workdir / "mosquitto.db", saved)
+            broker.start()
+            push_config(iggy, settings, "dev-b", {"period_s": 2}, "b-1")
+            cmd = make_command("dev-b", "reboot", {}, ttl_s=3600, command_id="cmd-b")
+            iggy.publish("edge", commands_topic(settings), partition_of("dev-b", settings), cmd.wire())
+            await async_wait_until(lambda: all_delivered(settings, {"dev-b": "b-1"}), 20, what="b-1")
+            await async_wait_until(
+                lambda: [r.state for r in read_commands(settings.buffer_path)] == ["delivered"],
+                20,
+                what="cmd",
+            )
+            await proxy.stop()
+            broker.kill()
+            shutil.copy(saved, broker.workdir / "mosquitto.db")  # what the last autosave wrote
+            broker.start()
+            assert [(d, cid) for d, cid, _ in await retained_now(broker.port)] == [("dev-a", "a-1")]
+            async with watching(broker.port, "edge/+/down/config", "edge/+/down/cmd") as w:
+                await proxy.start()
+                await async_wait_until(
+                    lambda: ("dev-b", "b-1") in [(d, c) for d, c, _ in w.configs(live=True)],
+                    RESTORE_BOUND_S,
+                    what="b-1 restored",
+                )
+                push_config(iggy, settings, "dev-c", {"period_s": 3}, "c-1")  # after anything still due
+                await async_wait_until(lambda: len(w.configs(live=True)) >= 3, 20, what="c-1")
+            assert agent.metric("iggy_edge_mqtt_session_lost_total") == 0, "the session survived"
+            assert sorted((d, cid) for d, cid, _ in w.configs(live=True)) == [
+                ("dev-a", "a-1"),
+                ("dev-b", "b-1"),
+                ("dev-c", "c-1"),
+            ]
+            assert w.commands() == []
+        final = sorted((d, cid) for d, cid, _ in await retained_now(broker.port))
+        assert final == [("dev-a", "a-1"), ("dev-b", "b-1"), ("dev-c", "c-1")]
     finally:
         await proxy.stop()
         broker.stop()

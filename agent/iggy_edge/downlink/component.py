@@ -85,7 +85,8 @@ class Restorer:
         while True:
             await self._requested.wait()
             self._requested.clear()
-            marked = await self._inbox.mark_republish()
+            # Not those already published to this broker since the deliverer reached it.
+            marked = await self._inbox.mark_republish(before=self._deliverer.connected_since)
             log.warning(
                 "the MQTT broker lost its state: restoring %d retained device configs from the inbox", marked
             )

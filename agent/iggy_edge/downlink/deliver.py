@@ -33,6 +33,14 @@
   in ``iggy_edge_config_republished_total``.  Every config publish carries
   its id as the MQTT 5 user property ``config_id`` (devices on MQTT 3.1.1
   do not see it; the broker retains it with the message).
+* Recent configs after a lost connection: a broker that crashed after an
+  autosave comes back with the sessions (so ingest sees nothing amiss) but
+  without what changed since.  So when this connection was lost (the broker
+  went away, or stopped acknowledging), the configs delivered within
+  ``republish_recent_s`` before the loss are marked for a restore on the
+  next connection.  Usually the broker still has them: publishing the same
+  retained payload again changes nothing, and the device library drops an
+  identical config.
 * Unknown devices: the agent does not keep a device registry; every command
   is published.  Without a subscriber (and no persistent session of the
   device) the broker drops it after the PUBACK: the command stays
@@ -124,6 +132,10 @@ class Deliverer:
         self._wakeup = asyncio.Event()
         self._lost = asyncio.Event()
         self._republish_at = 0.0  # monotonic time the next restore chunk may go
+        self._lost_at: float | None = None  # wall time the last connection was lost
+        # Wall time the current connection was made (None while disconnected):
+        # a config delivered since then is already at this broker.
+        self.connected_since: float | None = None
         self.connected = asyncio.Event()
 
     def wake(self) -> None:
@@ -176,16 +188,36 @@ class Deliverer:
                 await self._idle(delay)
                 continue
             attempt = 0
+            self.connected_since = time.time()
             self.connected.set()
             log.info("deliver: connected to %s:%d", self._mqtt.host, self._mqtt.port)
             try:
+                await self._restore_recent()
                 await self._deliver_while_connected(client, tracker)
             except BrokerLost as e:
                 self._limited.warning("deliver-lost", "deliver: %s; unacknowledged commands go out again", e)
             finally:
                 self.connected.clear()
+                self.connected_since = None
+                self._lost_at = time.time()
                 await self._close(client, tracker)
             await self._idle(backoff_delay(0, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s))
+
+    async def _restore_recent(self) -> None:
+        """After a lost connection: mark the configs delivered shortly before
+        the loss for publishing again (see the module docstring)."""
+        lost_at, self._lost_at = self._lost_at, None
+        window = self._dl.republish_recent_s
+        if lost_at is None or window <= 0:
+            return
+        marked = await self._inbox.mark_republish(since=lost_at - window, before=self.connected_since)
+        if marked:
+            log.info(
+                "deliver: publishing again %d configs delivered in the %ds before the connection was lost"
+                " (a crashed broker keeps only its last autosave)",
+                marked,
+                window,
+            )
 
     async def _idle(self, delay: float) -> None:
         """Wait `delay`, still expiring commands every second."""

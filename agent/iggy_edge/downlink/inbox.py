@@ -294,15 +294,25 @@ class Inbox:
         )
         return [PendingConfig(r[0], r[1], bytes(r[2]), REPUBLISH) for r in rows]
 
-    async def mark_republish(self, device: str | None = None, *, now: float | None = None) -> int:
-        """Restore: every delivered config (or only `device`'s) goes out
-        again; returns how many rows were marked.  Rows still ``received``
-        are due anyway; ``failed`` ones (refused by the broker) stay so."""
+    async def mark_republish(
+        self,
+        device: str | None = None,
+        *,
+        since: float | None = None,
+        before: float | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Restore: every delivered config (or only `device`'s; only those
+        delivered at or after `since`; only those delivered before `before`,
+        the time the deliverer reached the broker that lost them: one
+        published to it already needs no restore) goes out again; returns how
+        many rows were marked.  Rows still ``received`` are due anyway; ``failed`` ones
+        (refused by the broker) stay so."""
         now = time.time() if now is None else now
         async with self._transaction():
-            before = self._conn.total_changes
-            await self._conn.execute(*_mark_sql(device, now))
-            return self._conn.total_changes - before
+            changes = self._conn.total_changes
+            await self._conn.execute(*_mark_sql(device, now, since, before))
+            return self._conn.total_changes - changes
 
     async def finish(
         self, updates: Iterable[tuple[str, CommandState, str]], *, now: float | None = None
@@ -383,12 +393,20 @@ class Inbox:
             return self._conn.total_changes - before
 
 
-def _mark_sql(device: str | None, now: float) -> tuple[str, tuple[Any, ...]]:
+def _mark_sql(
+    device: str | None, now: float, since: float | None = None, before: float | None = None
+) -> tuple[str, tuple[Any, ...]]:
     sql = "UPDATE downlink_config SET state = ?, detail = 'restore requested', updated_at = ? WHERE state = ?"
     params: tuple[Any, ...] = (REPUBLISH, now, DELIVERED)
     if device is not None:
         sql += " AND device = ?"
         params += (device,)
+    if since is not None:
+        sql += " AND updated_at >= ?"
+        params += (since,)
+    if before is not None:
+        sql += " AND updated_at < ?"
+        params += (before,)
     return sql, params
 
 
