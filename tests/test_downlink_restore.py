@@ -33,7 +33,7 @@ from iggy_edge.downlink.commands import (
     make_config,
     partition_of,
 )
-from iggy_edge.downlink.inbox import read_commands
+from iggy_edge.downlink.inbox import Inbox, read_commands
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 
@@ -398,3 +398,53 @@ async def test_config_republish_against_a_running_agent(tmp_path: Path) -> None:
     finally:
         await proxy.stop()
         broker.stop()
+
+
+# -- the inbox's side of a restore, without a broker ------------------------------------
+
+
+async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path) -> None:
+    settings = downlink_settings(tmp_path)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    try:
+
+        async def store(dev: str, cid: str, period: int) -> None:
+            cfg = make_config(dev, {"period_s": period}, config_id=cid)
+            await inbox.store_polled("edge", config_topic(settings), 0, 0, configs=[(cfg, "t/0@0")])
+
+        async def deliver_all() -> None:
+            await inbox.finish_configs([(c, "delivered", "") for c in await inbox.due_configs(10)])
+
+        for dev in DEVICES:
+            await store(dev, f"{dev}-1", 1)
+        await deliver_all()
+        t = time.time()
+        assert await inbox.mark_republish(before=t - 3600) == 0, "all delivered after `before`"
+        assert await inbox.mark_republish(since=t + 3600) == 0, "all delivered before `since`"
+        assert await inbox.mark_republish(device="dev-b") == 1
+        assert await inbox.mark_republish() == 2, "dev-b is marked already"
+        due = await inbox.due_republish(10)
+        assert [(c.device, c.id) for c in due] == [(d, f"{d}-1") for d in DEVICES], "device order"
+        # A newer config for dev-c replaces the marked row: it is new, not a restore.
+        await store("dev-c", "dev-c-2", 2)
+        assert [(c.device, c.id) for c in await inbox.due_republish(10)] == [
+            ("dev-a", "dev-a-1"),
+            ("dev-b", "dev-b-1"),
+        ]
+        assert [(c.device, c.id) for c in await inbox.due_configs(10)] == [("dev-c", "dev-c-2")]
+        # Finishing the stale restore of dev-c (read before the newer one came)
+        # does not mark the newer one delivered.
+        await inbox.finish_configs([(due[2], "delivered", "")])
+        assert [(c.device, c.id) for c in await inbox.due_configs(10)] == [("dev-c", "dev-c-2")]
+        await inbox.finish_configs([(c, "delivered", "") for c in due[:2]])
+        assert await inbox.due_republish(10) == []
+    finally:
+        await inbox.close()
+
+
+def test_cli_republish_without_a_buffer_says_so(tmp_path: Path) -> None:
+    settings = downlink_settings(tmp_path)
+    result = CliRunner().invoke(app, ["config", "republish", "-c", str(write_config(tmp_path, settings))])
+    assert result.exit_code != 0
+    assert "no buffer database" in result.output
+    assert not settings.buffer_path.exists(), "the CLI does not create one"
