@@ -6,8 +6,8 @@ dead-letter sink, ingest's committed messages).  It opens the inbox (the
 agent's buffer database, own connection), registers an ingest observer for
 device acks and one for a lost MQTT session (the broker forgot ingest's
 session: its retained configs are most likely gone too, so `Restorer` marks
-every delivered config for publishing again), and runs its tasks in one task group until cancelled.  Without
-a command source (``[iggy] kind`` "none" or "file", or
+every delivered config for publishing again), and runs its tasks in one
+task group until cancelled.  Without a command source (``[iggy] kind`` "none" or "file", or
 ``downlink.enabled = false``) it logs that and returns.
 """
 
@@ -88,7 +88,10 @@ class Restorer:
             # Not those already published to this broker since the deliverer reached it.
             marked = await self._inbox.mark_republish(before=self._deliverer.connected_since)
             log.warning(
-                "the MQTT broker lost its state: restoring %d retained device configs from the inbox", marked
+                "the MQTT broker forgot the agent's session and most likely its retained messages: "
+                "restoring the device configs from the inbox (%d marked now, besides any the "
+                "deliverer marked on reconnecting)",
+                marked,
             )
             self._deliverer.wake()
 
