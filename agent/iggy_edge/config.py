@@ -328,6 +328,14 @@ class DownlinkSettings(_Model):
     mirror_timeout_s: Seconds = 2.0
     # Finished commands stay listed (and de-duplicated by id) this long.
     history_s: Annotated[int, Field(ge=60, le=TEN_YEARS_S)] = 7 * 24 * 3600
+    # Restore (broker lost its retained configs; `config republish`): configs
+    # published again per second at most, so thousands do not flood the broker.
+    republish_rate: Annotated[float, Field(gt=0, le=100_000)] = 50.0
+    # After the deliver connection was lost, configs delivered this long
+    # before the loss are published again: a broker that crashed keeps only
+    # what its last autosave wrote (Mosquitto's autosave_interval, 1800 s by
+    # default).  0 = off.
+    republish_recent_s: Annotated[int, Field(ge=0, le=TEN_YEARS_S)] = 1800
 
     @field_validator("stream", "commands_topic", "config_topic")
     @classmethod

@@ -118,6 +118,9 @@ class Ingest:
         # committed, before the acknowledgement; the return path watches
         # device acks here.  Observers must be quick and must not raise.
         self.observers: list[Callable[[str, bytes], None]] = []
+        # Called (quick, must not raise) when the broker had forgotten our
+        # session: the return path restores the retained configs then.
+        self.session_lost_observers: list[Callable[[], None]] = []
         # Fast path (see raw_publish): acknowledgements waiting for the
         # commit of the group they belong to.
         self._ack_future: asyncio.Future[Any] | None = None
@@ -183,6 +186,8 @@ class Ingest:
                 cid,
                 self._mqtt.session_expiry_s,
             )
+            for notify in list(self.session_lost_observers):
+                notify()
         if not self._had_session:
             self._had_session = True
             try:

@@ -149,6 +149,11 @@ class Metrics:
         self.downlink_errors = Counter(
             "iggy_edge_downlink_errors", "Return-path failures", ["kind"], registry=r
         )
+        self.config_republished = Counter(
+            "iggy_edge_config_republished",
+            "Desired configs published retained again (restore after the broker lost them, or on demand)",
+            registry=r,
+        )
         for kind in DOWNLINK_ERROR_KINDS:
             self.downlink_errors.labels(kind)
         for reason in DROP_REASONS:

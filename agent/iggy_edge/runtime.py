@@ -158,6 +158,22 @@ class Agent:
 
         return remove
 
+    def observe_session_lost(self, observer: Callable[[], None]) -> Callable[[], None]:
+        """Call `observer` whenever ingest finds the broker forgot its session,
+        at once if that already happened in this run (stages.ReturnPathHost)."""
+        if self.ingest is None:
+            raise RuntimeError("ingest is not built yet")
+        observers = self.ingest.session_lost_observers
+        observers.append(observer)
+        if self.ingest.sessions_lost:
+            observer()
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                observers.remove(observer)
+
+        return remove
+
     async def wait_up(self, timeout: float) -> bool:
         """Wait until the outbox is open, the stages run and ingest has its
         MQTT session: True, or False when `timeout` passed first (the broker

@@ -85,3 +85,8 @@ class ReturnPathHost(Protocol):
     def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
         """Call `observer` for every committed ingest message until the
         returned function is called."""
+
+    def observe_session_lost(self, observer: Callable[[], None]) -> Callable[[], None]:
+        """Call `observer` (quick, never raising) whenever the broker turns
+        out to have lost the agent's MQTT session (and so, most likely, its
+        retained messages), until the returned function is called."""

@@ -7,6 +7,13 @@ device's partition.  They need a real server (``[iggy] kind = "iggy"`` or
 IGGY_ADDRESS): with ``kind = "memory"`` the store lives inside the agent's
 process and another process cannot reach it.  `list` reads the agent's
 buffer database read-only; it works while the agent runs.
+
+`config republish` marks configs in the agent's buffer database for the
+running agent to publish again (it picks them up within a second, or at its
+next start).  It does not publish itself: the agent's one deliver connection
+stays the only publisher of ``down/config``, so a restore can never land
+after, and so replace, a newer config the agent is publishing at that
+moment, and the CLI needs no broker credentials.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import sqlite3
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,7 +36,7 @@ from ..downlink.commands import (
     make_config,
     partition_of,
 )
-from ..downlink.inbox import read_commands, read_offsets
+from ..downlink.inbox import read_commands, read_configs, read_offsets, request_republish
 from ..uplink.iggy import send_command
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
@@ -144,3 +152,29 @@ def config_push(
         raise fail(str(e), 2) from None
     where = _publish(settings, config_topic(settings), device, cfg.wire())
     typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))
+
+
+def config_republish(
+    device: Annotated[
+        str | None, typer.Option("--device", "-d", help="Only this device (default: every device).")
+    ] = None,
+    config: ConfigOption = DEFAULT_CONFIG,
+) -> None:
+    """Publish the newest desired config of every device (or DEVICE) again, retained.
+
+    For a broker that lost its retained messages.  The running agent does it,
+    in device order, at most downlink.republish_rate per second; a config
+    still waiting for delivery goes out anyway and is not counted here.
+    """
+    settings = load_or_exit(config)
+    try:
+        marked = request_republish(settings.buffer_path, device)
+        rows = read_configs(settings.buffer_path)
+    except FileNotFoundError as e:
+        raise fail(str(e)) from None
+    except sqlite3.Error as e:
+        raise fail(f"cannot mark configs in {settings.buffer_path}: {e}") from None
+    if device is not None and not any(r[0] == device for r in rows):
+        raise fail(f"no desired config for device {device!r} in {settings.buffer_path}")
+    waiting = [r[0] for r in rows if r[2] == "received" and device in (None, r[0])]
+    typer.echo(json.dumps({"marked": marked, "device": device, "still_due": waiting}))

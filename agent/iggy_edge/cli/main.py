@@ -35,6 +35,7 @@ def main(
 app.command("run")(run.run)
 app.command("demo")(demo.demo)
 config_cmd.app.command("push")(command.config_push)
+config_cmd.app.command("republish")(command.config_republish)
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(command.app, name="command")
 app.add_typer(buffer.app, name="buffer")

@@ -4,8 +4,10 @@
 as a `stages.ReturnPathHost` (settings, metrics, the command source, the
 dead-letter sink, ingest's committed messages).  It opens the inbox (the
 agent's buffer database, own connection), registers an ingest observer for
-device acks, and runs its tasks in one task group until cancelled.  Without
-a command source (``[iggy] kind`` "none" or "file", or
+device acks and one for a lost MQTT session (the broker forgot ingest's
+session: its retained configs are most likely gone too, so `Restorer` marks
+every delivered config for publishing again), and runs its tasks in one
+task group until cancelled.  Without a command source (``[iggy] kind`` "none" or "file", or
 ``downlink.enabled = false``) it logs that and returns.
 """
 
@@ -66,12 +68,41 @@ class AckListener:
                 log.debug("command %s: %s by the device", cid, state.value)
 
 
+class Restorer:
+    """`request` (synchronous, from ingest's session-lost hook) -> every
+    delivered config marked ``republish`` in the inbox, durably, then the
+    deliverer woken.  Requests while one is being marked fold into it."""
+
+    def __init__(self, inbox: Inbox, deliverer: Deliverer) -> None:
+        self._inbox = inbox
+        self._deliverer = deliverer
+        self._requested = asyncio.Event()
+
+    def request(self) -> None:
+        self._requested.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._requested.wait()
+            self._requested.clear()
+            # Not those already published to this broker since the deliverer reached it.
+            marked = await self._inbox.mark_republish(before=self._deliverer.connected_since)
+            log.warning(
+                "the MQTT broker forgot the agent's session and most likely its retained messages: "
+                "restoring the device configs from the inbox (%d marked now, besides any the "
+                "deliverer marked on reconnecting)",
+                marked,
+            )
+            self._deliverer.wake()
+
+
 class Downlink:
     def __init__(self, host: ReturnPathHost, source: CommandSource, inbox: Inbox) -> None:
         s = host.settings
         self.inbox = inbox
         self.deliverer = Deliverer(s, inbox, host.metrics)
         self.acks = AckListener(s, inbox, host.metrics)
+        self.restorer = Restorer(inbox, self.deliverer)
         self.poll = ReturnPoll(
             s, source, inbox, host.dead_letters, host.metrics, on_stored=self.deliverer.wake
         )
@@ -81,6 +112,7 @@ class Downlink:
             tg.create_task(self.poll.run(), name="downlink-poll")
             tg.create_task(self.deliverer.run(), name="downlink-deliver")
             tg.create_task(self.acks.run(), name="downlink-acks")
+            tg.create_task(self.restorer.run(), name="downlink-restore")
             tg.create_task(self._prune(), name="downlink-prune")
 
     async def _prune(self) -> None:
@@ -100,9 +132,11 @@ async def return_path(host: ReturnPathHost) -> None:
     inbox = await Inbox.open(host.settings.buffer_path, host.settings)
     component = Downlink(host, source, inbox)
     stop_observing = host.observe_ingest(component.acks.observe)
+    stop_restoring = host.observe_session_lost(component.restorer.request)
     try:
         await component.run()
     finally:
+        stop_restoring()
         stop_observing()
         await inbox.close()
         with contextlib.suppress(UplinkError, RuntimeError, OSError):  # closing must not mask the exit

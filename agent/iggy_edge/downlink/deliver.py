@@ -26,6 +26,21 @@
 * Config: the newest desired config per device is published retained on
   ``down/config``; the broker keeps only the last retained message per
   topic, so a device that subscribes later gets exactly that one.
+* Restore: a config row marked ``republish`` (the broker lost its retained
+  messages, or ``iggy-edge config republish``) is published again, in
+  device order, at most ``republish_rate`` per second, after new configs
+  and commands of the same round (a restore never holds them up), counted
+  in ``iggy_edge_config_republished_total``.  Every config publish carries
+  its id as the MQTT 5 user property ``config_id`` (devices on MQTT 3.1.1
+  do not see it; the broker retains it with the message).
+* Recent configs after a lost connection: a broker that crashed after an
+  autosave comes back with the sessions (so ingest sees nothing amiss) but
+  without what changed since.  So when this connection was lost (the broker
+  went away, or stopped acknowledging), the configs delivered within
+  ``republish_recent_s`` before the loss are marked for a restore on the
+  next connection.  Usually the broker still has them: publishing the same
+  retained payload again changes nothing, and the device library drops an
+  identical config.
 * Unknown devices: the agent does not keep a device registry; every command
   is published.  Without a subscriber (and no persistent session of the
   device) the broker drops it after the PUBACK: the command stays
@@ -52,11 +67,13 @@ from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
 from ..mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .commands import CommandState, deliver_client_id, device_topic
-from .inbox import Inbox, PendingCommand, PendingConfig
+from .inbox import REPUBLISH, Inbox, PendingCommand, PendingConfig
 
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S: Final = 1.0
+REPUBLISH_TICK_S: Final = 0.1  # a restore publishes in chunks of rate * this
+CONFIG_ID_PROPERTY: Final = "config_id"
 
 
 class BrokerLost(Exception):
@@ -114,6 +131,11 @@ class Deliverer:
         self._limited = RateLimitedLog(log)
         self._wakeup = asyncio.Event()
         self._lost = asyncio.Event()
+        self._republish_at = 0.0  # monotonic time the next restore chunk may go
+        self._lost_at: float | None = None  # wall time the last connection was lost
+        # Wall time the current connection was made (None while disconnected):
+        # a config delivered since then is already at this broker.
+        self.connected_since: float | None = None
         self.connected = asyncio.Event()
 
     def wake(self) -> None:
@@ -166,16 +188,36 @@ class Deliverer:
                 await self._idle(delay)
                 continue
             attempt = 0
+            self.connected_since = time.time()
             self.connected.set()
             log.info("deliver: connected to %s:%d", self._mqtt.host, self._mqtt.port)
             try:
+                await self._restore_recent()
                 await self._deliver_while_connected(client, tracker)
             except BrokerLost as e:
                 self._limited.warning("deliver-lost", "deliver: %s; unacknowledged commands go out again", e)
             finally:
                 self.connected.clear()
+                self.connected_since = None
+                self._lost_at = time.time()
                 await self._close(client, tracker)
             await self._idle(backoff_delay(0, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s))
+
+    async def _restore_recent(self) -> None:
+        """After a lost connection: mark the configs delivered shortly before
+        the loss for publishing again (see the module docstring)."""
+        lost_at, self._lost_at = self._lost_at, None
+        window = self._dl.republish_recent_s
+        if lost_at is None or window <= 0:
+            return
+        marked = await self._inbox.mark_republish(since=lost_at - window, before=self.connected_since)
+        if marked:
+            log.info(
+                "deliver: publishing again %d configs delivered in the %ds before the connection was lost"
+                " (a crashed broker keeps only its last autosave)",
+                marked,
+                window,
+            )
 
     async def _idle(self, delay: float) -> None:
         """Wait `delay`, still expiring commands every second."""
@@ -198,11 +240,30 @@ class Deliverer:
             commands = await self._inbox.due_commands(window)
             if commands:
                 await self._publish_commands(client, tracker, commands)
-            if not commands and not configs:
+            pause = await self._republish_some(client, tracker)
+            if not commands and not configs and pause != 0.0:
                 await self._refresh_gauge()
+                timeout = SWEEP_INTERVAL_S if pause is None else min(pause, SWEEP_INTERVAL_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wait_wakeup_or_lost(), SWEEP_INTERVAL_S)
+                    await asyncio.wait_for(self._wait_wakeup_or_lost(), timeout)
                 await self._sweep_expired()
+
+    async def _republish_some(self, client: gmqtt.Client, tracker: _PubackTracker) -> float | None:
+        """Publish the next chunk of a restore when the rate allows: None when
+        no config waits for it, 0 after publishing, else the seconds until the
+        rate allows the next chunk.  The budget does not pile up while idle:
+        at most one chunk goes out at once."""
+        now = time.monotonic()
+        if now < self._republish_at:
+            return self._republish_at - now
+        rate = self._dl.republish_rate
+        chunk = max(1, min(self._dl.deliver_window, int(rate * REPUBLISH_TICK_S)))
+        due = await self._inbox.due_republish(chunk)
+        if not due:
+            return None
+        self._republish_at = now + len(due) / rate
+        await self._publish_configs(client, tracker, due)
+        return 0.0
 
     async def _wait_wakeup_or_lost(self) -> None:
         waiters = [asyncio.ensure_future(self._wakeup.wait()), asyncio.ensure_future(self._lost.wait())]
@@ -213,11 +274,19 @@ class Deliverer:
                 w.cancel()
 
     def _publish(
-        self, client: gmqtt.Client, tracker: _PubackTracker, topic: str, payload: bytes, *, retain: bool
+        self,
+        client: gmqtt.Client,
+        tracker: _PubackTracker,
+        topic: str,
+        payload: bytes,
+        *,
+        retain: bool,
+        config_id: str | None = None,
     ) -> asyncio.Future[int]:
         tracker.last_mid = None
+        props = {} if config_id is None else {"user_property": [(CONFIG_ID_PROPERTY, config_id)]}
         try:
-            client.publish(topic, payload, qos=1, retain=retain)
+            client.publish(topic, payload, qos=1, retain=retain, **props)
         except (OSError, RuntimeError, AttributeError) as e:
             raise BrokerLost(f"publish failed: {e}") from e
         mid = tracker.last_mid
@@ -279,7 +348,12 @@ class Deliverer:
     ) -> None:
         futures = [
             self._publish(
-                client, tracker, device_topic(self._dl.config_mqtt_topic, c.device), c.payload, retain=True
+                client,
+                tracker,
+                device_topic(self._dl.config_mqtt_topic, c.device),
+                c.payload,
+                retain=True,
+                config_id=c.id,
             )
             for c in configs
         ]
@@ -289,6 +363,10 @@ class Deliverer:
             for c, refused in zip(configs, outcomes, strict=False)
         ]
         await self._inbox.finish_configs(updates)
+        restored = sum(1 for c, state, _ in updates if c.state == REPUBLISH and state == "delivered")
+        if restored:
+            self._metrics.config_republished.inc(restored)
+            log.debug("deliver: %d configs published again (restore)", restored)
         if len(updates) < len(configs):
             raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
 

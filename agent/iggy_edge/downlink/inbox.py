@@ -81,7 +81,7 @@ CREATE TABLE IF NOT EXISTS downlink_config (
     payload BLOB NOT NULL,              -- retained on down/config
     created_at REAL NOT NULL,
     received_at REAL NOT NULL,
-    state TEXT NOT NULL,                -- received | delivered | failed
+    state TEXT NOT NULL,                -- received | delivered | failed | republish
     updated_at REAL NOT NULL,
     detail TEXT NOT NULL DEFAULT '',
     source TEXT NOT NULL
@@ -89,6 +89,8 @@ CREATE TABLE IF NOT EXISTS downlink_config (
 """
 
 RECEIVED: Final = CommandState.RECEIVED.value
+REPUBLISH: Final = "republish"  # delivered once; the broker lost it: publish again (a restore)
+DELIVERED: Final = CommandState.DELIVERED.value
 TERMINAL: Final = tuple(
     s.value for s in (CommandState.ACKED, CommandState.EXPIRED, CommandState.FAILED, CommandState.DELIVERED)
 )
@@ -108,6 +110,7 @@ class PendingConfig:
     device: str
     id: str
     payload: bytes
+    state: str = RECEIVED  # RECEIVED (new) or REPUBLISH (a restore)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,34 @@ class Inbox:
         )
         return [PendingConfig(r[0], r[1], bytes(r[2])) for r in rows]
 
+    async def due_republish(self, limit: int) -> list[PendingConfig]:
+        """Configs to restore, in device order."""
+        rows = await self._fetchall(
+            "SELECT device, id, payload FROM downlink_config WHERE state = ? ORDER BY device LIMIT ?",
+            (REPUBLISH, limit),
+        )
+        return [PendingConfig(r[0], r[1], bytes(r[2]), REPUBLISH) for r in rows]
+
+    async def mark_republish(
+        self,
+        device: str | None = None,
+        *,
+        since: float | None = None,
+        before: float | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Restore: every delivered config (or only `device`'s; only those
+        delivered at or after `since`; only those delivered before `before`,
+        the time the deliverer reached the broker that lost them: one
+        published to it already needs no restore) goes out again; returns how
+        many rows were marked.  Rows still ``received`` are due anyway; ``failed`` ones
+        (refused by the broker) stay so."""
+        now = time.time() if now is None else now
+        async with self._transaction():
+            changes = self._conn.total_changes
+            await self._conn.execute(*_mark_sql(device, now, since, before))
+            return self._conn.total_changes - changes
+
     async def finish(
         self, updates: Iterable[tuple[str, CommandState, str]], *, now: float | None = None
     ) -> list[tuple[str, CommandState]]:
@@ -325,14 +356,15 @@ class Inbox:
 
     async def finish_configs(self, updates: Iterable[tuple[PendingConfig, str, str]]) -> None:
         """Mark configs delivered/failed -- only if no newer config replaced
-        the row meanwhile (then the newer one is still due)."""
+        the row meanwhile (then the newer one is still due) and the row is
+        still in the state it was read in."""
         now = time.time()
         async with self._transaction():
             for cfg, state, detail in updates:
                 await self._conn.execute(
                     "UPDATE downlink_config SET state = ?, detail = ?, updated_at = ?"
                     " WHERE device = ? AND id = ? AND payload = ? AND state = ?",
-                    (state, detail, now, cfg.device, cfg.id, cfg.payload, RECEIVED),
+                    (state, detail, now, cfg.device, cfg.id, cfg.payload, cfg.state),
                 )
 
     async def expire_due(self, *, now: float | None = None) -> int:
@@ -359,6 +391,54 @@ class Inbox:
                 (*TERMINAL, cutoff),
             )
             return self._conn.total_changes - before
+
+
+def _mark_sql(
+    device: str | None, now: float, since: float | None = None, before: float | None = None
+) -> tuple[str, tuple[Any, ...]]:
+    sql = "UPDATE downlink_config SET state = ?, detail = 'restore requested', updated_at = ? WHERE state = ?"
+    params: tuple[Any, ...] = (REPUBLISH, now, DELIVERED)
+    if device is not None:
+        sql += " AND device = ?"
+        params += (device,)
+    if since is not None:
+        sql += " AND updated_at >= ?"
+        params += (since,)
+    if before is not None:
+        sql += " AND updated_at < ?"
+        params += (before,)
+    return sql, params
+
+
+def request_republish(path: Path, device: str | None = None) -> int:
+    """From another process (the CLI): mark delivered configs for the
+    running agent's deliverer to publish again; returns how many.  Writes
+    only rows (WAL, busy timeout): the agent's one deliver connection stays
+    the only publisher of down/config, so a restore cannot race a newer
+    config on another connection."""
+    if not path.exists():
+        raise FileNotFoundError(f"no buffer database at {path} (has the agent run yet?)")
+    conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10, isolation_level=None)
+    try:
+        if not _has_table(conn, "downlink_config"):
+            return 0
+        return conn.execute(*_mark_sql(device, time.time())).rowcount
+    finally:
+        conn.close()
+
+
+def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
+    """(device, id, state, source) of every device's newest config."""
+    conn = _ro(path)
+    try:
+        if not _has_table(conn, "downlink_config"):
+            return []
+        rows = conn.execute(
+            "SELECT device, id, state, source FROM downlink_config ORDER BY device"
+        ).fetchall()
+    finally:
+        conn.close()
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
 # -- read-only views for the CLI (another process; WAL lets it read) --------------
