@@ -207,6 +207,12 @@ class Ingest:
             try:
                 self._session_present = False
                 await connect(client, self._mqtt)
+                # Before any await: a resumed session's queue flows from the
+                # CONNACK on, and every read of it must already be gated and
+                # go through the shortcut (an unhooked read loop during
+                # _check_session's database round trip took 20,000 QoS0
+                # messages in and dropped the rest of a queued flood).
+                hooks.install_connection_hooks(client, self._read_gate)
                 await self._check_session()
                 for sub in self._mqtt.subscriptions:
                     # retain_handling=1: retained messages only when the
@@ -230,12 +236,10 @@ class Ingest:
                 await self._close_client(client)
                 await self._sleep_or_stop(delay)
                 continue
-            attempt = 0
-            try:
-                hooks.install_connection_hooks(client, self._read_gate)
             except hooks.GmqttInternalsChanged:
                 await self._close_client(client)
                 raise
+            attempt = 0
             self._client = client
             self._metrics.mqtt_connected.set(1)
             self.connected.set()
