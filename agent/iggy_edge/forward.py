@@ -43,6 +43,7 @@ from .logs import RateLimitedLog
 from .metrics import Metrics
 from .records import OutboundRecord
 from .stages import OutboxReader
+from .timeouts import wait_for
 from .uplink.protocol import Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class Forwarder:
     async def _wait(self, seconds: float) -> bool:
         """Sleep `seconds` or until stop(); True when stopping."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+            await wait_for(self._stopping.wait(), seconds)
         return self._stopping.is_set()
 
     async def _probe_until(self, probe: RecoveryProbe, deadline: float) -> None:

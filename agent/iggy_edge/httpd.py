@@ -58,6 +58,7 @@ from . import __version__
 from .backoff import backoff_delay
 from .config import parse_listen
 from .logs import RateLimitedLog
+from .timeouts import wait_for
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -206,7 +207,7 @@ class MetricsServer:
                 return
             self._graced += 1
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_GRACE_S)
+                head = await wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_GRACE_S)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
                 self._drop("refused_idle", writer)
                 return
@@ -244,7 +245,7 @@ class MetricsServer:
     ) -> None:
         if head is None:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+                head = await wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
                 writer.transport.abort()
                 return
@@ -261,13 +262,13 @@ class MetricsServer:
             )
             if method != b"HEAD":
                 writer.write(body)
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+            await wait_for(writer.drain(), REQUEST_TIMEOUT_S)
         except (ConnectionError, TimeoutError):
             pass
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                await wait_for(writer.wait_closed(), 1.0)
 
     def _respond(self, head: bytes) -> tuple[int, str, bytes]:
         try:

@@ -70,6 +70,7 @@ from .metrics import Metrics
 from .mqttconn import CONNECT_ERRORS, connect, set_credentials
 from .routing import Rejected, Router
 from .store import Incoming, Outbox, StoreError, device_seq_of
+from .timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -316,18 +317,18 @@ class Ingest:
         acknowledgement, then disconnect (the broker keeps the session)."""
         self._stopping.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            await wait_for(self._idle.wait(), drain_timeout)
         if self._client is not None:
             await self._close_client(self._client)
             self._client = None
 
     async def _close_client(self, client: gmqtt.Client) -> None:
         with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
-            await asyncio.wait_for(client.disconnect(), 5)
+            await wait_for(client.disconnect(), 5)
 
     async def _sleep_or_stop(self, delay: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)
+            await wait_for(self._stopping.wait(), delay)
 
     @staticmethod
     async def _wait_first(*events: asyncio.Event) -> None:

@@ -4,7 +4,6 @@ persistent ingest session must never be shared with the publisher.)"""
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 from typing import Final
 
@@ -13,6 +12,7 @@ from gmqtt.mqtt.constants import MQTTv50
 from gmqtt.mqtt.handler import MQTTConnectError
 
 from .config import MqttSettings
+from .timeouts import wait_for
 
 CONNECT_TIMEOUT_S: Final = 15.0
 # What a failed connect attempt raises: retry with backoff.
@@ -33,7 +33,7 @@ def set_credentials(client: gmqtt.Client, mqtt: MqttSettings) -> None:
 
 async def connect(client: gmqtt.Client, mqtt: MqttSettings) -> None:
     """Connect (MQTT 5), bounded by CONNECT_TIMEOUT_S; raises one of CONNECT_ERRORS."""
-    await asyncio.wait_for(
+    await wait_for(
         client.connect(
             mqtt.host, mqtt.port, ssl=ssl_context(mqtt), keepalive=mqtt.keepalive_s, version=MQTTv50
         ),

@@ -45,6 +45,7 @@ from .routing import Router
 from .stages import DeadLetterSink, IngestObserver
 from .store import Outbox, StoreError
 from .systemd import systemd_notify
+from .timeouts import wait_for
 from .uplink.factory import make_command_source, make_uplink
 from .uplink.protocol import CommandSource, Uplink
 
@@ -180,9 +181,9 @@ class Agent:
         is away; ingest keeps retrying)."""
         deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(self.ready.wait(), timeout)  # the buffer may wait for a failing disk
+            await wait_for(self.ready.wait(), timeout)  # the buffer may wait for a failing disk
             assert self.ingest is not None
-            await asyncio.wait_for(self.ingest.connected.wait(), max(0.0, deadline - time.monotonic()))
+            await wait_for(self.ingest.connected.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             return False
         return True
@@ -289,7 +290,7 @@ class Agent:
         if forward_task is not None and self.forwarder is not None:
             self.forwarder.stop()
             try:
-                await asyncio.wait_for(asyncio.shield(forward_task), max(0.1, deadline - time.monotonic()))
+                await wait_for(asyncio.shield(forward_task), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 log.warning("forwarder did not finish its batch in time; it stays buffered")
                 forward_task.cancel()
@@ -310,7 +311,7 @@ class Agent:
                     self.metrics.mqtt_reconnects.inc()
                 attempt = 0 if time.monotonic() - started > 60 else attempt + 1
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), backoff_delay(attempt, 1.0, 30.0))
+                    await wait_for(self._stop.wait(), backoff_delay(attempt, 1.0, 30.0))
             else:
                 return
 

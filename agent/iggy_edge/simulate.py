@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import gmqtt
 from gmqtt.mqtt.constants import MQTTv311
 
+from .timeouts import wait_for
+
 
 @dataclass
 class SimulatedSensor:
@@ -52,6 +54,6 @@ class SimulatedSensor:
                 client.publish(f"edge/{self.device_id}/up/env", self.reading(), qos=self.qos)
                 self.sent += 1
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), period * random.uniform(0.9, 1.1))  # noqa: S311
+                    await wait_for(stop.wait(), period * random.uniform(0.9, 1.1))  # noqa: S311
         finally:
             await client.disconnect()

@@ -47,6 +47,7 @@ from ..config import ConfigError, IggySettings, Settings, load_config
 from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
+from ..timeouts import wait_for
 from ..uplink.iggy import IggyProbe
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
@@ -217,9 +218,7 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
         ctx = ssl.create_default_context(cafile=str(m.tls_ca_file) if m.tls_ca_file else None)
     who = f"as {m.username!r}" if m.username else "anonymously"
     try:
-        await asyncio.wait_for(
-            client.connect(m.host, m.port, ssl=ctx, version=MQTTv50, keepalive=30), timeout
-        )
+        await wait_for(client.connect(m.host, m.port, ssl=ctx, version=MQTTv50, keepalive=30), timeout)
     except MQTTConnectError as e:
         code = refusal_code(e)
         if code in BAD_CREDENTIALS:
@@ -251,7 +250,7 @@ def _no_reconnect() -> None:
 async def _quiet_disconnect(client: gmqtt.Client) -> None:
     if client.is_connected:
         with contextlib.suppress(TimeoutError, OSError, RuntimeError):
-            await asyncio.wait_for(client.disconnect(), 2)
+            await wait_for(client.disconnect(), 2)
 
 
 async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Check]:

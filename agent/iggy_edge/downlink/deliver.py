@@ -66,6 +66,7 @@ from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
 from ..mqttconn import CONNECT_ERRORS, connect, set_credentials
+from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import REPUBLISH, Inbox, PendingCommand, PendingConfig
 
@@ -165,7 +166,7 @@ class Deliverer:
     async def _close(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
         tracker.fail_all()
         with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
-            await asyncio.wait_for(client.disconnect(), 5)
+            await wait_for(client.disconnect(), 5)
 
     async def run(self) -> None:
         """Deliver until cancelled; reconnect with backoff; expire meanwhile."""
@@ -245,7 +246,7 @@ class Deliverer:
                 await self._refresh_gauge()
                 timeout = SWEEP_INTERVAL_S if pause is None else min(pause, SWEEP_INTERVAL_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wait_wakeup_or_lost(), timeout)
+                    await wait_for(self._wait_wakeup_or_lost(), timeout)
                 await self._sweep_expired()
 
     async def _republish_some(self, client: gmqtt.Client, tracker: _PubackTracker) -> float | None:

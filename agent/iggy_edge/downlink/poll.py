@@ -35,6 +35,7 @@ from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..stages import DeadLetterSink
+from ..timeouts import wait_for
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
     Command,
@@ -244,7 +245,7 @@ class ReturnPoll:
             if last < 0 or self._mirrored.get(part) == last:
                 continue
             try:
-                await asyncio.wait_for(
+                await wait_for(
                     self._source.mirror_offset(part.stream, part.topic, part.partition_id, last),
                     self._dl.mirror_timeout_s,
                 )

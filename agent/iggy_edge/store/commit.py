@@ -15,6 +15,7 @@ from itertools import chain
 from typing import Any
 
 from ..records import Route
+from ..timeouts import wait_for
 from .bounds import Bounds
 from .db import StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
@@ -103,7 +104,7 @@ class GroupCommit(DeadLetters, Bounds):
                 # is bounded by commit_interval_ms.
                 self._wakeup.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), interval)
+                    await wait_for(self._wakeup.wait(), interval)
             if self._pending.items:
                 # The whole group commits at once: its size is bounded by the broker's
                 # in-flight window (receive maximum) plus the QoS0 queue limit.

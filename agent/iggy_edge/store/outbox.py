@@ -15,6 +15,7 @@ import aiosqlite
 
 from ..config import BufferSettings
 from ..metrics import Metrics
+from ..timeouts import wait_for
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
@@ -95,7 +96,7 @@ class Outbox(GroupCommit, ReadConfirm):
                     delay,
                 )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                    await wait_for(stop.wait(), delay)
                 continue
             on_failure(None)
             if attempt:

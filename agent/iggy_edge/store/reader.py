@@ -3,7 +3,6 @@ uplink confirmed."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ from ..records import (
     HEADER_RETAIN,
     OutboundRecord,
 )
+from ..timeouts import wait_for
 from .base import OutboxBase
 from .schema import accounted_bytes
 
@@ -26,7 +26,7 @@ class ReadConfirm(OutboxBase):
             return True
         self._data_available.clear()
         try:
-            await asyncio.wait_for(self._data_available.wait(), timeout)
+            await wait_for(self._data_available.wait(), timeout)
         except TimeoutError:
             return False
         return True

@@ -17,7 +17,7 @@ Bounded calls
     request* after reconnecting, under a new session -- a send could be stored
     twice without us knowing.  We therefore turn auto-login off (we log in
     ourselves), turn SDK reconnection off entirely, and wrap every call in
-    `asyncio.wait_for`.  ``max_retries=0`` is not enough: the SDK still makes
+    `timeouts.wait_for`.  ``max_retries=0`` is not enough: the SDK still makes
     one redial inside the awaited request, after the ``reestablish_after``
     cooldown (5 s), so a send to a stopped server hung for 5 s and then said
     "Cannot establish connection" although it may have been written.  With
@@ -58,6 +58,7 @@ from typing import Final, TypeVar
 from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
 
 from ...config import IggySettings
+from ...timeouts import wait_for
 from ..protocol import UplinkAmbiguous, UplinkError, UplinkRejected, UplinkUnavailable
 from .errors import classify
 
@@ -168,10 +169,10 @@ class Connection:
         deadline = time.monotonic() + s.connect_timeout_s
         connected = False
         try:
-            await asyncio.wait_for(client.connect(), s.connect_timeout_s)
+            await wait_for(client.connect(), s.connect_timeout_s)
             connected = True
             remaining = max(0.001, deadline - time.monotonic())
-            await asyncio.wait_for(client.login_user(s.username, password), remaining)
+            await wait_for(client.login_user(s.username, password), remaining)
         except TimeoutError as e:
             raise UplinkUnavailable(
                 f"iggy {self.role}: no connection to {address} within {s.connect_timeout_s}s"
@@ -213,7 +214,7 @@ class Connection:
         the client so the next call reconnects."""
         timeout = self.settings.request_timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            return await wait_for(awaitable, timeout)
         except TimeoutError as e:
             self.drop()
             raise UplinkAmbiguous(
@@ -229,7 +230,7 @@ class Connection:
         client, self._client = self._client, None
         if client is not None:
             try:
-                await asyncio.wait_for(client.logout_user(), 1.0)
+                await wait_for(client.logout_user(), 1.0)
             except (RuntimeError, OSError, TimeoutError) as e:
                 log.debug("iggy %s logout on close failed: %s", self.role, e)
 
@@ -237,7 +238,7 @@ class Connection:
 async def _tcp_open(address: str, timeout: float) -> bool:
     host, _, port = address.rpartition(":")
     try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+        _reader, writer = await wait_for(asyncio.open_connection(host, int(port)), timeout)
     except (OSError, TimeoutError, ValueError):
         return False
     writer.close()
