@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from typer.testing import CliRunner
 from tests.support.auth_broker import password_broker
 from tests.support.broker import Broker
 from tests.support.ports import free_port
+from tests.support.tmpfs import small_tmpfs
 
 runner = CliRunner()
 
@@ -93,26 +92,9 @@ def test_wrong_and_right_credentials(tmp_path: Path) -> None:
         assert result.exit_code == 0
 
 
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str = "1m") -> Iterator[Path]:
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root and CAP_SYS_ADMIN")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
     # 16 MiB: the WAL alone grows to ~4 MB (1000 pages) before SQLite checkpoints it
-    with tiny_tmpfs(tmp_path / "small", "16m") as small:
+    with small_tmpfs(tmp_path / "small", "16m") as small:
         # Fill it: what remains is far below the buffer's bound.
         with contextlib.suppress(OSError):
             (small / "filler").write_bytes(b"\0" * (16 * 1024 * 1024))
@@ -137,7 +119,7 @@ def test_disk_check_counts_pages_and_the_wal_not_1_3(tmp_path: Path, broker: Bro
     """11 MB of records does not fit a 16 MiB disk: the file takes up to 1.32x
     the accounted bytes (measured, 1 KiB payloads) and the WAL ~4 MB more on
     top of a group commit; the old 1.3 factor said 14.3 MB and passed it."""
-    with tiny_tmpfs(tmp_path / "small", "16m") as small:
+    with small_tmpfs(tmp_path / "small", "16m") as small:
         config = write_config(
             tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 11000000\n"
         )
