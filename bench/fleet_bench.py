@@ -82,6 +82,12 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU time of a process (/proc/<pid>/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class TimedUplink:
     """The gateway's IggyUplink; on every confirmed send, each record's
     latency since it was received (its received-at-us header)."""
@@ -215,12 +221,11 @@ async def topic_count(address: str, stream: str) -> int:
 
 
 async def run_fleet(
-    target: str, pids: list[int], nodes: list[str], args: argparse.Namespace, workdir: Path
+    target: str, n: int, pids: list[int], nodes: list[str], args: argparse.Namespace, workdir: Path
 ) -> None:
-    n = args.gateways
-    emit(
-        BENCH, "server_rss_idle", round(sum(rss_mb(p) for p in pids), 1), "MB", target=target, nodes=len(pids)
-    )
+    """One fleet of `n` gateways against `nodes`; `target` labels its figures."""
+    rss = round(sum(rss_mb(p) for p in pids), 1)
+    emit(BENCH, "server_rss_before", rss, "MB", target=target, nodes=len(pids), gateways=n)
     gateways = [Gateway(i, workdir / target, nodes) for i in range(n)]
     await asyncio.gather(*(g.open() for g in gateways))
     try:
@@ -285,10 +290,22 @@ async def run_fleet(
 
         feeders = [asyncio.create_task(ingest(g)) for g in gateways]
         t0 = time.perf_counter()
+        cpu0 = [cpu_seconds(p) for p in pids], cpu_seconds()
         await asyncio.sleep(args.seconds)
+        cpu1 = [cpu_seconds(p) for p in pids], cpu_seconds()
         stop.set()
         await asyncio.gather(*feeders, *pollers)
         steady_s = time.perf_counter() - t0
+        # Who is busy: the servers' and this process's (every gateway's) CPU, in cores.
+        emit(
+            BENCH,
+            "steady_cpu",
+            round(sum(cpu1[0]) - sum(cpu0[0]), 2) / args.seconds,
+            "cores (servers)",
+            target=target,
+            per_node=[round((b - a) / args.seconds, 2) for a, b in zip(cpu0[0], cpu1[0], strict=True)],
+            gateways_process=round((cpu1[1] - cpu0[1]) / args.seconds, 2),
+        )
         # let the last records go out before reading the latencies
         deadline = time.monotonic() + 30
         while any(g.box is not None and g.box.records > 0 for g in gateways) and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -347,7 +364,7 @@ async def run_fleet(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gateways", type=int, default=50)
-    ap.add_argument("--backlog", type=int, default=2000, help="records per gateway for the drain phase")
+    ap.add_argument("--backlog", type=int, default=5000, help="records per gateway for the drain phase")
     ap.add_argument("--rate", type=float, default=10.0, help="records/s per gateway in the steady phase")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of the steady phase")
     ap.add_argument("--poll-interval", type=float, default=1.0)
