@@ -300,7 +300,7 @@ async def run_fleet(
         emit(
             BENCH,
             "steady_cpu",
-            round(sum(cpu1[0]) - sum(cpu0[0]), 2) / args.seconds,
+            round((sum(cpu1[0]) - sum(cpu0[0])) / args.seconds, 2),
             "cores (servers)",
             target=target,
             per_node=[round((b - a) / args.seconds, 2) for a, b in zip(cpu0[0], cpu1[0], strict=True)],
