@@ -15,7 +15,7 @@ import pytest
 from tests.support.broker import mosquitto_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ["ingest", "drain", "memory", "disk", "dead_letter", "flood", "broker_crash"]
+BENCHES = ["ingest", "drain", "memory", "disk", "dead_letter", "flood", "broker_crash", "fleet"]
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from iggy_edge import __version__
 from iggy_edge.cli.main import app
 from iggy_edge.config import BufferSettings
@@ -15,6 +20,8 @@ from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
 from typer.testing import CliRunner
+
+from tests.support.iggy_server import SKIP_REASON
 
 AGENT = str(Path(sys.executable).with_name("iggy-edge"))
 runner = CliRunner()
@@ -96,40 +103,127 @@ def test_buffer_stats_without_a_buffer_fails_clearly(tmp_path: Path) -> None:
     assert "no buffer database" in result.stderr
 
 
+def path_without_iggy_server() -> str:
+    """PATH minus every directory that holds an iggy-server."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if d and not (Path(d) / "iggy-server").exists())
+
+
+def demo_env(path: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IGGY_")}
+    env["PATH"] = path
+    return env
+
+
+def demo_rows(stdout: str) -> list[list[str]]:
+    rows = [line.split() for line in stdout.splitlines() if line.strip().split(" ")[0].endswith("s")]
+    return [r for r in rows if len(r) >= 8 and r[0][:-1].isdigit()]
+
+
+DEMO_ARGS = ["demo", "--sensors", "3", "--rate", "5"]
+
+
 def test_demo_smoke(tmp_path: Path) -> None:
     """`iggy-edge demo` starts its own Mosquitto, sensors and the agent; the
-    live figures must move (no uplink configured: the backlog grows)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IGGY_")}
+    live figures must move.  Without iggy-server on PATH and no uplink
+    configured the backlog grows, and the demo says how to forward."""
     result = subprocess.run(
-        [
-            AGENT,
-            "demo",
-            "--duration",
-            "3",
-            "--sensors",
-            "3",
-            "--rate",
-            "5",
-            "--state-dir",
-            str(tmp_path / "demo"),
-        ],
+        [AGENT, *DEMO_ARGS, "--duration", "3", "--state-dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         timeout=60,
-        env=env,
+        env=demo_env(path_without_iggy_server()),
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "no uplink" in result.stdout or "none configured" in result.stdout
-    rows = [line.split() for line in result.stdout.splitlines() if line.strip().split(" ")[0].endswith("s")]
-    rows = [r for r in rows if len(r) >= 6 and r[0][:-1].isdigit()]
+    assert "none configured" in result.stdout
+    assert "put iggy-server 0.9.x" in result.stdout
+    assert "on PATH and the demo starts a private one" in result.stdout
+    rows = demo_rows(result.stdout)
     assert len(rows) >= 2, result.stdout
     published, ingested, buffered = (int(float(rows[-1][i])) for i in (1, 2, 3))
     first_ingested = int(float(rows[0][2]))
     assert ingested > first_ingested > 0
     assert buffered > 0
     assert published > 0
+    assert rows[-1][5:7] == ["0", "-"]  # nothing forwarded, no Iggy to look at
     assert (tmp_path / "demo" / "buffer.db").exists()
+
+
+def private_iggy(stdout: str) -> tuple[str, Path]:
+    """The private server's address and data directory, as the demo says them."""
+    m = re.search(r"the private Iggy at (\S+) \(data in (\S+), removed on exit\)", stdout)
+    assert m, stdout
+    return m[1], Path(m[2])
+
+
+def port_open(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.iggy
+def test_demo_forwards_to_a_private_iggy_server(tmp_path: Path) -> None:
+    if shutil.which("iggy-server") is None:
+        pytest.skip(SKIP_REASON)
+    result = subprocess.run(
+        [AGENT, *DEMO_ARGS, "--duration", "4", "--state-dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=demo_env(os.environ.get("PATH", "")),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    address, datadir = private_iggy(result.stdout)
+    rows = demo_rows(result.stdout)
+    assert len(rows) >= 2, result.stdout
+    published, forwarded, held = int(rows[-1][1]), int(rows[-1][4]), int(rows[-1][6])
+    assert rows[-1][7] == "up"
+    assert 0 < held <= forwarded  # read back from the server: records reached Iggy
+    assert held > int(rows[0][6])
+    assert published > 0
+    assert not datadir.exists()  # removed on exit
+    assert not port_open(address)
+
+
+@pytest.mark.iggy
+def test_demo_ctrl_c_stops_and_removes_its_iggy_server(tmp_path: Path) -> None:
+    if shutil.which("iggy-server") is None:
+        pytest.skip(SKIP_REASON)
+    proc = subprocess.Popen(
+        [AGENT, *DEMO_ARGS, "--state-dir", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=demo_env(os.environ.get("PATH", "")),
+    )
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        for line in proc.stdout:  # until the live table shows a record in Iggy
+            seen += line
+            rows = demo_rows(line)
+            if rows and rows[0][6].isdigit() and int(rows[0][6]) > 0:
+                break
+        else:
+            pytest.fail(f"the demo ended before a record reached Iggy:\n{seen}{proc.stderr}")
+        address, datadir = private_iggy(seen)
+        assert datadir.exists()
+        assert port_open(address)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert not datadir.exists()
+    assert not port_open(address)
 
 
 def test_config_example_prints_a_config_that_checks(tmp_path: Path) -> None:

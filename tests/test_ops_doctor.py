@@ -18,6 +18,7 @@ from tests.support.auth_broker import password_broker
 from tests.support.broker import Broker
 from tests.support.ports import free_port
 from tests.support.tmpfs import small_tmpfs
+from tests.support.vsr_fake import VsrFake, vsr_fake_in_thread
 
 runner = CliRunner()
 
@@ -170,3 +171,17 @@ def test_iggy_login_and_permissions(tmp_path: Path, broker: Broker, iggy_server:
     assert code == 1
     assert checks["iggy"]["status"] == "fail"
     assert "IGGY_PASSWORD" in out
+
+
+def test_iggy_of_another_protocol_version_is_named(tmp_path: Path, broker: Broker) -> None:
+    # A server of a later binary-protocol version evicts SDK 0.9.0's login
+    # (tests/support/vsr_fake.py models the eviction a real server sends).
+    with vsr_fake_in_thread(VsrFake(protocol_minor=12)) as server:
+        extra = f'[iggy]\nkind = "iggy"\naddress = "{server.address}"\n'
+        config = write_config(tmp_path, port=broker.port, extra=extra)
+        code, checks, out = doctor(config, env={"IGGY_PASSWORD": "long-enough-password"})
+    assert code == 1
+    assert checks["iggy"]["status"] == "fail"
+    assert "speaks another Iggy protocol version" in checks["iggy"]["detail"]
+    assert "accepts binary protocol 0.12.0" in checks["iggy"]["detail"]
+    assert "fix: run iggy-server 0.9.x for this agent (apache-iggy 0.9.0)" in out

@@ -49,6 +49,7 @@ from ..httpd import local_url
 from ..store import ROW_OVERHEAD, StoreError
 from ..timeouts import wait_for
 from ..uplink.iggy import IggyProbe
+from ..uplink.iggy.errors import IGGY_SDK_VERSION, IncompatibleServer
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
 
@@ -282,7 +283,12 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
             await probe.login()
         except UplinkError as e:
             text = str(e).lower()
-            if "credential" in text or "unauthenticated" in text or "invalid" in text or "password" in text:
+            if isinstance(e, IncompatibleServer):
+                fix = (
+                    f"run iggy-server 0.9.x for this agent (apache-iggy {IGGY_SDK_VERSION}), "
+                    "or an iggy-edge release made for that server"
+                )
+            elif "credential" in text or "unauthenticated" in text or "invalid" in text or "password" in text:
                 fix = (
                     f"check iggy.username ({s.username!r}) and IGGY_PASSWORD in {DEFAULT_ENV_FILE} "
                     "(or the credentials_file)"

@@ -60,7 +60,7 @@ from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
 from ...config import IggySettings
 from ...timeouts import wait_for
 from ..protocol import UplinkAmbiguous, UplinkError, UplinkRejected, UplinkUnavailable
-from .errors import classify
+from .errors import IncompatibleServer, classify, protocol_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +73,21 @@ atexit.register(gc.collect)
 
 T = TypeVar("T")
 
-# Said when a server accepts the TCP connection but the login gets no answer
-# the SDK can read: checked with endpoints that close at once, answer junk,
-# answer HTTP or stay silent -- SDK 0.9.0 says "Disconnected" (or times out)
-# for each, exactly what a server dying mid-login would give, so this is a
-# hint, not a verdict.  Iggy 0.10 changed the wire protocol.
+# Two ways a server of another release shows itself at login (both checked
+# with a real SDK 0.9.0 client, tests/test_uplink_versions.py):
+# * a server that frames requests as SDK 0.9.0 does (256-byte VSR headers)
+#   but speaks another binary-protocol version answers the login with an
+#   Eviction frame naming the versions it accepts; the SDK says "Incompatible
+#   binary protocol version" and we raise IncompatibleServer with both
+#   versions (errors.protocol_mismatch);
+# * anything else -- a server framing requests otherwise (iggy-server 0.8's
+#   8-byte frames), a TLS-only port, an endpoint that closes, answers junk or
+#   stays silent -- gives "Disconnected" or a timeout, exactly what a server
+#   dying mid-login would give, so PROTOCOL_HINT is a hint, not a verdict.
 PROTOCOL_HINT: Final = (
     "the server accepted the connection but did not answer the login in the protocol "
-    "apache-iggy 0.9 speaks: is it iggy-server 0.9.x on its TCP port? Iggy 0.10 and later "
-    "speak another wire protocol, and a TLS-only port (iggy.tls) does the same"
+    "apache-iggy 0.9 speaks: is it iggy-server 0.9.x on its TCP port? A server of another "
+    "Iggy release can frame requests otherwise, and a TLS-only port (iggy.tls) does the same"
 )
 
 # Builds the SDK client from its config; tests substitute a fake.
@@ -179,6 +185,9 @@ class Connection:
                 + (f" ({PROTOCOL_HINT})" if connected else "")
             ) from e
         except (RuntimeError, OSError) as e:
+            mismatch = protocol_mismatch(e, address)
+            if mismatch is not None:
+                raise IncompatibleServer(f"iggy {self.role}: {mismatch}") from e
             hint = f" ({PROTOCOL_HINT})" if connected and "disconnected" in str(e).lower() else ""
             raise UplinkUnavailable(
                 f"iggy {self.role}: cannot connect/log in to {address} as {s.username!r}: {e}{hint}"
