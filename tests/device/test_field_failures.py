@@ -25,6 +25,7 @@ from tests.support.micropython import (
     require_micropython,
     run_script,
 )
+from tests.support.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.micropython
 
@@ -312,3 +313,22 @@ def test_expires_at_reaches_the_board_as_integer_seconds() -> None:
     assert doc["expires_at"] == 1_700_000_300
     assert isinstance(doc["expires_at"], int)
     assert isinstance(doc["created_at"], int)
+
+
+def test_ring_is_shrunk_to_the_free_flash_and_says_so(broker: Broker, tmp_path: Path) -> None:
+    """A 1 MiB default ring on a filesystem with 512 KiB: shrunk at boot,
+    logged, and the bound holds while readings pile up offline."""
+    with small_tmpfs(tmp_path / "fs", "512k") as fs:
+        flash = Flash(fs / "flash")
+        flash.install_example(
+            "env_sensor",
+            **_config(broker, _dev("small"), period_ms=0, cycles=50, wifi_timeout_ms=50, segment_bytes=4096),
+        )
+        flash.path("_hw_wifi_down").write_text("")
+        board = Board(flash).start()
+        assert board.wait(60) == 0, board.console()[-3000:]
+        line = next(x for x in board.console().splitlines() if "does not fit" in x)
+        got = int(line.rsplit("using", 1)[1])
+        assert got % 4096 == 0
+        assert 4096 * 2 <= got <= 512 * 1024 - 65536
+        assert board.done()["dropped"] == 0
