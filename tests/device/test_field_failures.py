@@ -332,3 +332,26 @@ def test_ring_is_shrunk_to_the_free_flash_and_says_so(broker: Broker, tmp_path: 
         assert got % 4096 == 0
         assert 4096 * 2 <= got <= 512 * 1024 - 65536
         assert board.done()["dropped"] == 0
+
+
+AWAKE_BUDGET = r"""
+import time
+from iggy_device.hw import Hardware
+hw = Hardware(wdt_ms=0, budget_ms=BUDGET)
+time.sleep_ms(150)
+hw.feed()  # a fed watchdog would be late here: the stand-in exits 76
+print("NOT-FED")
+"""
+
+
+@pytest.mark.parametrize(("budget", "fed"), [(100, False), (0, True)])
+def test_the_awake_budget_watchdog_is_never_fed(tmp_path: Path, budget: int, fed: bool) -> None:
+    code = AWAKE_BUDGET.replace("BUDGET", str(budget))
+    if fed:  # the ordinary watchdog, for contrast: fed late, it resets the board
+        code = code.replace("wdt_ms=0", "wdt_ms=100")
+    r = run_script(code, Flash(tmp_path))
+    if fed:
+        assert r.returncode == 76, r.stdout + r.stderr
+    else:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "NOT-FED" in r.stdout
