@@ -170,13 +170,12 @@ def start(main, battery=False):
         sleep = cfg.deep_sleep if cfg else battery
         print("[iggy] fatal:", repr(e), "- deep sleep" if sleep else "- reset in 10 s")
         getattr(sys, "print_exception", print)(e)
+        Hardware().rtc_save(b"")
         try:
             fsutil.write_atomic(FATAL_FILE, repr(e)[:200].encode())
-            machine.RTC().memory(b"")
         except OSError:
-            pass
+            pass  # a full or broken filesystem: the console has it
         if sleep:
-            network.WLAN(network.STA_IF).active(False)
-            machine.deepsleep(cfg.period_ms if cfg else 300000)
+            machine.deepsleep(cfg.period_ms if cfg else 300000)  # the radio sleeps with the chip
         time.sleep_ms(10000)  # a boot loop slow enough to interrupt (Ctrl-C)
         machine.reset()
