@@ -216,8 +216,13 @@ def test_safe_mode_written_by_provisioning_stops_the_example_at_boot(tmp_path: P
     require_micropython()
     flash = Flash(tmp_path / "board")
     flash.install_example("env_sensor", device_id="env-7", broker="127.0.0.1", wdt_ms=5000, cycles=3)
+    main = flash.path("main.py").read_bytes()
     r = run_script(device.SAFE_ON, flash)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert flash.path("safe").exists()
+    # nothing to start after the reset, whatever library the board had
+    assert not flash.path("main.py").exists()
+    flash.path("main.py").write_bytes(main)  # what the copy step brings
     board = Board(flash).start()
     assert board.wait(30) == 0
     assert "[iggy] safe mode: /safe exists" in board.console()

@@ -135,7 +135,12 @@ class Plan:
 # (what mpremote does) does not stop a started machine.WDT, so a board running
 # an example would hard-reset in the middle of the copy.  Provisioning writes
 # /safe, hard-resets (which does stop the watchdog), copies, and removes it.
-SAFE_ON = "f = open('safe', 'w')\nf.close()\n"
+# It also removes main.py (the copy brings the new one): a board still
+# running a library from before safe mode existed would otherwise start its
+# example, and its watchdog, again after the reset.
+SAFE_ON = (
+    "import os\nf = open('safe', 'w')\nf.close()\ntry:\n    os.remove('main.py')\nexcept OSError:\n    pass\n"
+)
 SAFE_OFF = "import os\nos.remove('safe')\n"
 # MicroPython imports x.py before x.mpy: the old library goes first, as
 # source and as bytecode, and so do both forms of the example's modules.
