@@ -252,6 +252,7 @@ def stage(
 
 
 PROBE_LABEL = "check the board runs MicroPython"
+SAFE_RESET_LABEL = "reset into safe mode (stops the watchdog)"
 RESET = ("reset",)
 
 
@@ -262,7 +263,7 @@ def build_plan(port: str, files: dict[str, Path], staging: Path, *, install_umqt
     plan = Plan(port=port, staging=staging, files=files)
     plan.steps.append(Step(PROBE_LABEL, ("exec", device_flash.PROBE)))
     plan.steps.append(Step("enter safe mode (/safe)", ("exec", SAFE_ON)))
-    plan.steps.append(Step("reset into safe mode (stops the watchdog)", RESET))
+    plan.steps.append(Step(SAFE_RESET_LABEL, RESET))
     plan.steps.append(Step("remove the old library", ("exec", remove_old_snippet(files))))
     plan.steps.append(Step("create /lib", ("exec", _MKDIRS.format(pkg=LIBRARY_PACKAGE))))
     by_dir: dict[str, list[str]] = {}
@@ -614,7 +615,9 @@ def _copy_to_board(mpremote: str, port: str, staged: Staged, staging: Path) -> N
                     n = len(plan.steps)
             if step.args[:2] == ("fs", "sha256sum"):
                 verify(files, output)
-            if step.args == RESET:
+            if step.label == SAFE_RESET_LABEL:
+                # only here: after the last reset the example runs, and
+                # probing it would interrupt it (mpremote sends Ctrl-C)
                 try:
                     device_flash.wait_for_micropython(lambda: _probe_board(mpremote, port), timeout=30)
                 except device_flash.FlashError as e:
