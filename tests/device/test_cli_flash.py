@@ -24,7 +24,9 @@ import pytest
 from iggy_edge.cli import device, device_flash
 from typer.testing import CliRunner
 
+from tests.support.broker import Broker
 from tests.support.micropython import (
+    MPLIB_DIR,
     Board,
     Flash,
     mpy_cross,
@@ -258,3 +260,126 @@ def test_probe_under_micropython_reports_mpy_version_and_umqtt(tmp_path: Path) -
     ):
         device.check_mpy(old, files)
     device.check_mpy(old, {"main.py": src})  # no bytecode: nothing to check
+
+
+# -- the whole provisioning flow against a board's filesystem -----------------------------
+class FlashBoard:
+    """What `run_mpremote` reaches, for a board that is a Flash directory:
+    `exec` runs the code under the real MicroPython Unix port in it, `fs cp`
+    and `fs sha256sum` act on its files, `mip install umqtt.simple` puts the
+    real umqtt there, `reset` is recorded.  Only the serial transport is
+    replaced (no raw REPL on the Unix port); this sits at our own wrapper."""
+
+    def __init__(self, flash: Flash) -> None:
+        self.flash = flash
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, argv: list[str], port: str, timeout: float = 0) -> str:
+        args = tuple(argv[3:])
+        self.calls.append(args)
+        root = self.flash.root
+        if args[0] == "exec":
+            r = run_script(args[1], self.flash)
+            if r.returncode != 0:
+                raise device.ProvisionError("mpremote failed: " + (r.stdout + r.stderr).strip()[-200:])
+            return r.stdout
+        if args == ("reset",):
+            return ""
+        if args[:2] == ("fs", "cp"):
+            dest = args[-1][1:]
+            for src in args[2:-1]:
+                shutil.copyfile(src, root / dest / Path(src).name)
+            return ""
+        if args == ("mip", "install", "umqtt.simple"):
+            shutil.copytree(MPLIB_DIR / "umqtt", root / "lib" / "umqtt", dirs_exist_ok=True)
+            return ""
+        if args[:2] == ("fs", "sha256sum"):
+            out = []
+            for p in args[2:]:
+                out += [f"sha256sum {p}", hashlib.sha256((root / p[1:]).read_bytes()).hexdigest()]
+            return "\n".join(out) + "\n"
+        raise AssertionError(f"unexpected mpremote call {args}")
+
+
+@pytest.mark.parametrize("umqtt_on_board", [True, False])
+def test_provisioning_flow_on_a_used_board_then_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broker: Broker, umqtt_on_board: bool
+) -> None:
+    require_micropython()
+    flash = Flash(tmp_path / "board")
+    # a used board: an example running with a watchdog, an old library as
+    # source that would shadow the new bytecode, an old module of the example
+    flash.install_example("env_sensor", device_id="old-1", broker="127.0.0.1", wdt_ms=30000)
+    old_lib = flash.root / "lib" / "iggy_device"
+    old_lib.mkdir(parents=True)
+    (old_lib / "__init__.py").write_text("")
+    (old_lib / "node.py").write_text("raise ImportError('the old library ran')\n")
+    if umqtt_on_board:
+        shutil.copytree(MPLIB_DIR / "umqtt", flash.root / "lib" / "umqtt")  # as if frozen
+    monkeypatch.setenv("IGGY_TEST_MQTT_PW", "board-password-0123456789")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    staged = device.prepare(
+        device.source_root(),
+        "env_sensor",
+        staging,
+        device_id="env-new",
+        wifi_ssid="lab",
+        wifi_password="wifi-secret",
+        broker="127.0.0.1",
+        broker_port=broker.port,
+        mqtt_password_env="IGGY_TEST_MQTT_PW",
+        mpy=True,
+    )
+    fake = FlashBoard(flash)
+    monkeypatch.setattr(device, "run_mpremote", fake)
+    device._copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
+    assert (("mip", "install", "umqtt.simple") in fake.calls) is not umqtt_on_board
+    resets = [i for i, c in enumerate(fake.calls) if c == ("reset",)]
+    assert len(resets) == 2
+    assert resets[-1] == len(fake.calls) - 1  # nothing talks to the started example
+    assert not flash.path("safe").exists()
+    assert not (old_lib / "node.py").exists()
+    assert (old_lib / "node.mpy").exists()
+    # the board boots into the new example (cycles shortened for the test)
+    cfg = json.loads(flash.text("config.json"))
+    cfg.update(cycles=3, period_ms=0)
+    flash.path("config.json").write_text(json.dumps(cfg))
+    board = Board(flash).start()
+    assert board.wait(60) == 0, board.console()[-3000:]
+    assert board.done()["cycles"] == 3
+    assert board.done()["sent"] >= 3
+
+
+def test_provisioning_stops_before_touching_the_board_when_the_mpy_version_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_micropython()
+    flash = Flash(tmp_path / "board")
+    flash.root.mkdir(parents=True)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    staged = device.prepare(
+        device.source_root(),
+        "env_sensor",
+        staging,
+        device_id="env-new",
+        wifi_ssid="lab",
+        wifi_password="x",
+        broker="127.0.0.1",
+        broker_port=1883,
+        mpy=True,
+    )
+    # bytecode from an mpy-cross of another major .mpy version
+    for p in staged.files.values():
+        if p.suffix == ".mpy":
+            data = bytearray(p.read_bytes())
+            data[1] = 5
+            p.write_bytes(bytes(data))
+    fake = FlashBoard(flash)
+    monkeypatch.setattr(device, "run_mpremote", fake)
+    with pytest.raises(
+        device.ProvisionError, match=r"loads \.mpy version 6, but mpy-cross here makes version 5"
+    ):
+        device._copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
+    assert len(fake.calls) == 1  # the probe only
