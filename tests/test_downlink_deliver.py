@@ -90,8 +90,9 @@ async def test_command_is_marked_delivered_only_after_the_brokers_puback(
                 "id": cmds[0].id,
                 "name": "blink",
                 "args": {"n": 0},
-                "created_at": cmds[0].created_at,
-                "expires_at": cmds[0].expires_at,
+                # whole seconds: a float is float32 on the board
+                "created_at": int(cmds[0].created_at),
+                "expires_at": int(cmds[0].expires_at),
             }
             assert metrics.value("iggy_edge_downlink_commands_total", state="delivered") == 5
             assert metrics.value("iggy_edge_downlink_inbox_records") == 0

@@ -21,10 +21,14 @@ DEFAULTS = {
     "wifi_password": None,
     "wifi_timeout_ms": 15000,
     "ntp": True,
+    "ntp_host": None,  # NTP server; default: the broker (the gateway serves time on an isolated LAN)
     "topic_prefix": "edge",
     "data_dir": "data",
-    "ring_bytes": 32768,
-    "segment_bytes": 2048,
+    # a day of env_sensor at 10 s (8,640 readings of ~100 bytes) fits in
+    # 1 MiB; an ESP32 with 4 MB flash has about 2 MB of filesystem.  Device
+    # shrinks it at boot when the flash has less room (logged).
+    "ring_bytes": 1048576,
+    "segment_bytes": 16384,
     "cursor_every": 8,
     "seq_block": 64,
     "backoff_base_ms": 1000,
@@ -36,6 +40,10 @@ DEFAULTS = {
     "socket_timeout_s": 10,
     "drain_per_poll": 32,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
+    # > 0: a watchdog never fed, so the board resets after this long awake
+    # whatever hangs (battery boards); replaces wdt_ms
+    "awake_budget_ms": 0,
+    "safe_pin": None,  # a pin held low at boot starts nothing (safe mode), e.g. 0 = BOOT
     "period_ms": 10000,
     "cycles": 0,  # 0 = run forever; tests and the bench set a count
     "deep_sleep": False,
@@ -56,10 +64,22 @@ class Config:
             if k not in DEFAULTS and k != "app":  # "app": the example's own settings
                 raise ConfigError("unknown config key: " + k)
             merged[k] = values[k]
-        for k in ("device_id", "broker"):
+        for k in ("device_id", "broker", "topic_prefix"):
             v = merged[k]
             if not isinstance(v, str) or not v or "/" in v or "+" in v or "#" in v:
                 raise ConfigError(k + " must be a non-empty string without / + #")
+        # umqtt.simple writes a string's length in characters where MQTT
+        # wants bytes: anything non-ASCII would make a malformed packet
+        for k in ("device_id", "topic_prefix", "user", "password"):
+            v = merged[k]
+            if v is not None and (not isinstance(v, str) or len(v.encode()) != len(v)):
+                raise ConfigError(k + " must be ASCII (umqtt.simple would send a malformed packet)")
+        if merged["ntp_host"] is None:
+            merged["ntp_host"] = merged["broker"]
+        elif not isinstance(merged["ntp_host"], str) or not merged["ntp_host"]:
+            raise ConfigError("ntp_host must be a host name or address")
+        if merged["safe_pin"] is not None and not (isinstance(merged["safe_pin"], int) and merged["safe_pin"] >= 0):
+            raise ConfigError("safe_pin must be a pin number or null")
         for k in (
             "port",
             "keepalive",
@@ -73,6 +93,7 @@ class Config:
             "period_ms",
             "cycles",
             "wdt_ms",
+            "awake_budget_ms",
             "wifi_timeout_ms",
             "drain_per_poll",
             "awake_ms",
@@ -82,6 +103,10 @@ class Config:
         ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")
+        # 0 would turn off the broker's liveness check (and the last will);
+        # MQTT carries it in 16 bits
+        if not 1 <= merged["keepalive"] <= 65535:
+            raise ConfigError("keepalive must be 1..65535 seconds")
         if merged["tls"] and not (isinstance(merged["ca_file"], str) and merged["ca_file"]):
             raise ConfigError("tls needs ca_file: the gateway CA certificate (iggy-edge device provision --tls)")
         if merged["user"] is not None and merged["password"] is None:

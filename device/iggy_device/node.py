@@ -109,11 +109,13 @@ class Device:
         if hw is None:
             from .hw import Hardware
 
-            hw = Hardware(cfg.wdt_ms, self.log)
+            hw = Hardware.from_config(cfg, self.log)
         self.hw = hw
         d = cfg.data_dir
-        fsutil.makedirs(d)
-        self.ring = Ring(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, cfg.cursor_every)
+        if fsutil.claim(d, cfg.device_id, self.log):
+            hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
+        ring_bytes = fsutil.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=self.log)
+        self.ring = Ring(d + "/ring", ring_bytes, cfg.segment_bytes, cfg.cursor_every)
         self.seq = Sequence(d + "/seq", cfg.seq_block)
         self.recent = RecentCommands(d + "/cmds")
         self.wake = self._load_rtc()  # state kept in RTC memory across deep sleep
@@ -284,6 +286,7 @@ class Device:
         d["heap_free"] = free
         d["heap_alloc"] = alloc
         d["reset"] = self.reset_cause
+        d["seq_recovered"] = 1 if self.seq.recovered else 0
         for k in self.stats:
             d[k] = self.stats[k]
         return d

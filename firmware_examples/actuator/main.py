@@ -13,14 +13,13 @@ import time
 
 from machine import Pin
 
-from iggy_device import config, fsutil
-from iggy_device.node import Device
+from iggy_device.node import Device  # first: compiling node.py from source needs the most heap
+from iggy_device import fsutil, hw
 
 STATE_FILE = "relay.json"
 
 
-def main():
-    cfg = config.load()
+def main(cfg):
     dev = Device(cfg)
     app = cfg.app
     saved = json.loads(fsutil.read(STATE_FILE, b'{"on": false}'))
@@ -75,4 +74,6 @@ def main():
     print("IGGY-DONE", json.dumps(d))
 
 
-main()
+# safe mode (/safe or safe_pin held low) starts nothing; an uncaught error
+# is logged, then the board resets (hw.start)
+hw.start(main)

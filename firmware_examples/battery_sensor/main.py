@@ -6,16 +6,22 @@
 # the sleeps: the ring is in flash, the next sequence number in RTC memory.
 #
 # A deep sleep ends in a reset, so main.py runs from the top on every wake.
+#
+# Awake budget: ``awake_budget_ms`` starts a watchdog that nothing feeds, so
+# whatever hangs (a broker that never answers, a driver) the board resets
+# within it; the wake after such a reset skips the upload and sleeps.  An
+# uncaught error deep-sleeps too (hw.start).  A low cell (``low_mv``) is
+# reported at once, then uploads happen only every ``low_upload_every``
+# wakes (default 4 x upload_every): each connect costs more than a reading.
 import json
 
 from machine import ADC, Pin
 
-from iggy_device import config
-from iggy_device.node import Device
+from iggy_device.node import Device  # first: compiling node.py from source needs the most heap
+from iggy_device import hw
 
 
-def main():
-    cfg = config.load()
+def main(cfg):
     dev = Device(cfg)
     app = cfg.app
     adc = ADC(Pin(app.get("adc_pin", 35)))
@@ -36,7 +42,21 @@ def main():
     dev.publish("battery", {"mv": mv, "wake": wakes})
     dev.wake["n"] = wakes + 1
 
-    if (wakes + 1) % cfg.upload_every == 0 or mv < low_mv:
+    upload = (wakes + 1) % cfg.upload_every == 0
+    if mv < low_mv:
+        if not dev.wake.get("low"):
+            upload = True  # say it once, as it happens
+            dev.log("battery low:", mv, "mV")
+        else:
+            upload = (wakes + 1) % app.get("low_upload_every", 4 * cfg.upload_every) == 0
+        dev.wake["low"] = 1
+    else:
+        dev.wake["low"] = 0
+    if dev.reset_cause == "wdt":
+        # the last wake ran out of its awake budget: do not spend another now
+        dev.log("woke from the watchdog (awake budget): no upload this wake")
+        upload = False
+    if upload:
         if dev.connect():
             dev.flush(budget_ms=cfg.awake_ms * 4)
             dev.wait(cfg.awake_ms)  # commands queued for us arrive now
@@ -48,4 +68,6 @@ def main():
     dev.sleep(period)  # does not return: the board resets on wake
 
 
-main()
+# safe mode (/safe or safe_pin held low) starts nothing; an uncaught error
+# is logged, then the board deep-sleeps for period_ms (hw.start)
+hw.start(main, battery=True)

@@ -10,8 +10,8 @@ import math
 from machine import I2C, Pin
 
 import bme280
-from iggy_device import config
-from iggy_device.node import Device
+from iggy_device.node import Device  # first: compiling node.py from source needs the most heap
+from iggy_device import hw
 
 
 def find_sensor(app, log):
@@ -38,9 +38,13 @@ def find_sensor(app, log):
         try:
             read_dht()
             log("sensor: DHT22")
-            return read_dht
-        except OSError as e:
+        except OSError as e:  # nothing answers on the pin
             log("dht22:", repr(e))
+        except Exception as e:  # the dht driver's "checksum error": a sensor that is there
+            log("sensor: DHT22 (first read:", repr(e) + ")")
+            return read_dht
+        else:
+            return read_dht
     log("sensor: none answers, sending simulated readings")
     return None
 
@@ -62,8 +66,7 @@ class Simulated:
         }
 
 
-def main():
-    cfg = config.load()
+def main(cfg):
     dev = Device(cfg)
     app = cfg.app
     sensor = find_sensor(app, dev.log)
@@ -76,7 +79,8 @@ def main():
         def read():
             try:
                 return sensor()
-            except OSError as e:  # a loose wire: count it, keep running
+            except Exception as e:  # noqa: BLE001 - a loose wire (OSError), a DHT checksum
+                # error (plain Exception): count it, keep running
                 errors[0] += 1
                 dev.log("sensor read failed:", repr(e))
                 return None
@@ -99,4 +103,6 @@ def main():
     print("IGGY-DONE", json.dumps(d))
 
 
-main()
+# safe mode (/safe or safe_pin held low) starts nothing; an uncaught error
+# is logged, then the board resets (hw.start)
+hw.start(main)

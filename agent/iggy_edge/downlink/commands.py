@@ -72,13 +72,16 @@ class Command:
         return now >= self.expires_at
 
     def device_payload(self) -> bytes:
-        """What the device receives on ``down/cmd`` (device/iggy_device/codec.py)."""
+        """What the device receives on ``down/cmd`` (device/iggy_device/codec.py).
+
+        Times go as whole seconds: MicroPython on an ESP32 parses a JSON
+        float as float32, which holds a 2020s Unix time only to 128 s."""
         doc = {
             "id": self.id,
             "name": self.name,
             "args": self.args,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
+            "created_at": math.floor(self.created_at),
+            "expires_at": math.floor(self.expires_at),
         }
         return json.dumps(doc, separators=_SEP).encode()
 

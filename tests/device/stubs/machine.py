@@ -1,11 +1,17 @@
 # Stand-in for MicroPython's ``machine`` on the Unix port: hardware only.
 # State that real hardware keeps outside the program lives in files in the
 # current directory (the simulated flash), so a test can read it:
-#   _hw_reset      reset cause for the next boot (deep sleep, watchdog)
-#   _hw_rtc.bin    RTC slow memory: survives deep sleep, cleared at power-on
+#   _hw_reset      reset cause for the next boot (deep sleep, watchdog, reset())
+#   _hw_rtc.bin    RTC slow memory: survives deep sleep, the watchdog and
+#                  machine.reset(); cleared at power-on (a boot with no
+#                  _hw_reset: the test killed the process, a power cut)
 #   _hw_pins.log   every write to an output pin: "<pin> <value>"
 #   _hw_sleeps.log every deepsleep(ms) call
-#   _hw_adc.txt    optional: the raw value ADC.read_u16() returns
+#   _hw_adc.txt    optional: the raw value ADC.read_u16() returns ("fail":
+#                  the read raises OSError, a broken divider or pin)
+#   _hw_wdt.log    every machine.WDT(timeout=ms) started: "<ms>"
+#   _hw_inputs.txt optional: levels of input pins, "<pin> <0|1>" a line
+#                  (a pin not listed reads its pull: 1 with PULL_UP)
 # ruff: noqa: SIM105, RUF005, UP031 - MicroPython code: no contextlib on the Unix port
 import os
 import sys
@@ -19,6 +25,7 @@ SOFT_RESET = 5
 
 DEEPSLEEP_EXIT = 75  # process exit code that means "went to deep sleep"
 WDT_EXIT = 76  # "the watchdog would have reset the board"
+RESET_EXIT = 77  # machine.reset()
 
 
 def _read(name):
@@ -44,7 +51,7 @@ def _remove(name):
 _cause = _read("_hw_reset")
 _cause = int(_cause) if _cause else PWRON_RESET
 _remove("_hw_reset")
-if _cause != DEEPSLEEP_RESET:
+if _cause == PWRON_RESET:
     _remove("_hw_rtc.bin")  # RTC memory does not survive power loss
 
 
@@ -76,13 +83,14 @@ def deepsleep(ms=0):
 
 def reset():
     _write("_hw_reset", str(HARD_RESET))
-    sys.exit(0)
+    sys.exit(RESET_EXIT)
 
 
 class WDT:
     def __init__(self, id=0, timeout=5000):
         self.timeout = timeout
         self._last = time.ticks_ms()
+        _write("_hw_wdt.log", str(timeout) + "\n", "a")
 
     def feed(self):
         now = time.ticks_ms()
@@ -124,6 +132,12 @@ class Pin:
         self.id = id
         self.mode = mode
         self._v = 0
+        if mode == Pin.IN:
+            self._v = 1 if pull == Pin.PULL_UP else 0
+            for line in (_read("_hw_inputs.txt") or "").splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == str(id):
+                    self._v = int(parts[1])
         if value is not None:
             self.value(value)
 
@@ -179,6 +193,8 @@ class ADC:
 
     def read_u16(self):
         raw = _read("_hw_adc.txt")
+        if raw and raw.strip() == "fail":
+            raise OSError(5)  # EIO
         return int(raw) if raw else 40000
 
     def read_uv(self):

@@ -1,0 +1,243 @@
+"""`iggy-edge device flash`: put MicroPython on a blank (or any) ESP32.
+
+The firmware image is the user's file: the project cannot download it.
+Get the board's image from https://micropython.org/download/ (for a plain
+ESP32 module, ESP32_GENERIC: `ESP32_GENERIC-<date>-v<version>.bin`; the
+ESP32-S3 and C3 boards have their own pages).  Everything goes through the
+real `esptool` CLI (the `device` extra installs it), one subprocess per
+step so a failure names the step:
+
+1. `esptool image-info IMAGE` (no board needed): an ESP image whose
+   checksum and hash are valid, for a chip esptool names, and MicroPython
+   inside (its banner string).
+2. `esptool --port PORT read-mac`: which chip answers on the port; it must
+   be the image's chip.
+3. `esptool --chip CHIP --port PORT erase-flash`, then `write-flash` at the
+   chip's offset (0x1000 on ESP32 and ESP32-S2, 0x0 on the newer chips),
+   then esptool's hard reset.
+4. mpremote until the board answers as MicroPython (the first boot makes
+   the filesystem), so `device provision` can follow directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DOWNLOAD_HINT = (
+    "get the image for your board from https://micropython.org/download/ (ESP32_GENERIC for a plain ESP32)"
+)
+ESPTOOL_TIMEOUT_S = 300.0  # an erase of a 16 MB flash takes about two minutes
+BAUD = 460800
+# where the image starts in flash: the ROM loads the 2nd stage bootloader
+# from 0x1000 on ESP32 and ESP32-S2, from 0x0 on the later chips
+OFFSETS = {"esp32": 0x1000, "esp32s2": 0x1000}
+DEFAULT_OFFSET = 0x0
+MICROPYTHON_MARK = b"MicroPython v"
+
+# what the board runs to say what it is (also the first step of provisioning)
+PROBE = (
+    "import sys, json\n"
+    "try:\n"
+    "    import umqtt.simple\n"
+    "    u = 1\n"
+    "except ImportError:\n"
+    "    u = 0\n"
+    "print('IGGY-PROBE', json.dumps({'impl': sys.implementation.name, 'platform': sys.platform, "
+    "'version': list(sys.implementation.version[:3]), 'mpy': getattr(sys.implementation, '_mpy', 0), "
+    "'umqtt': u}))\n"
+)
+
+
+class FlashError(Exception):
+    """A failure with a message meant for the person at the keyboard."""
+
+
+@dataclass(frozen=True)
+class Image:
+    path: Path
+    chip: str  # esptool's --chip name: esp32, esp32s3, ...
+    label: str  # as esptool prints it: ESP32, ESP32-S3, ...
+
+    @property
+    def offset(self) -> int:
+        return OFFSETS.get(self.chip, DEFAULT_OFFSET)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a MicroPython board says about itself (PROBE's output)."""
+
+    impl: str
+    platform: str
+    version: tuple[int, ...]
+    mpy: int  # sys.implementation._mpy: .mpy version | feature flags << 8
+    umqtt: bool
+
+    @property
+    def mpy_version(self) -> int:
+        return self.mpy & 0xFF
+
+
+def chip_name(label: str) -> str:
+    """esptool's label (ESP32-S3) as its --chip value (esp32s3)."""
+    return label.lower().replace("-", "")
+
+
+def parse_image_info(output: str) -> str:
+    """The chip label from `esptool image-info`; FlashError when the image
+    is not valid."""
+    m = re.search(r"Detected image type:\s*(\S+)", output)
+    if m is None:
+        raise FlashError("esptool did not recognise the image: " + _last_line(output))
+    if "(invalid)" in output:
+        bad = [line.strip() for line in output.splitlines() if "(invalid)" in line]
+        raise FlashError("the image is damaged (" + "; ".join(bad) + "): download it again")
+    return m.group(1)
+
+
+def parse_chip(output: str) -> str | None:
+    """The chip label from esptool's connect banner (`Connected to ESP32 on
+    /dev/ttyUSB0:` in esptool 5, `Chip is ESP32-D0WD-V3 ...` in 4)."""
+    m = re.search(r"Connected to (ESP\S+) on", output)
+    if m is not None:
+        return m.group(1)
+    m = re.search(r"Detecting chip type\.*\s*(ESP\S+)", output)
+    if m is not None:
+        return m.group(1)
+    return None
+
+
+def parse_probe(output: str) -> Probe | None:
+    for line in output.splitlines():
+        if line.startswith("IGGY-PROBE "):
+            doc = json.loads(line[len("IGGY-PROBE ") :])
+            return Probe(
+                impl=str(doc["impl"]),
+                platform=str(doc["platform"]),
+                version=tuple(int(x) for x in doc["version"]),
+                mpy=int(doc["mpy"]),
+                umqtt=bool(doc["umqtt"]),
+            )
+    return None
+
+
+def _last_line(output: str) -> str:
+    lines = [x for x in output.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def classify(port: str, output: str) -> FlashError:
+    """esptool's failures as something a person can act on."""
+    text = output
+    if "could not open port" in text.lower() or "no such file or directory" in text.lower():
+        return FlashError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+    if "Resource busy" in text or "port is busy" in text.lower() or "Errno 16" in text:
+        return FlashError(f"{port} is busy: close the program holding it (a serial monitor, mpremote)")
+    if "Failed to connect" in text or "No serial data received" in text:
+        return FlashError(
+            f"no ESP chip answers on {port}: hold the board's BOOT button, press RESET, release BOOT, "
+            "and retry (some boards need this to enter the ROM bootloader)"
+        )
+    m = re.search(r"This chip is ([\w-]+),? not ([\w-]+)", text)
+    if m is not None:
+        return FlashError(f"the board is an {m.group(1)} but the image is for {m.group(2)}: {DOWNLOAD_HINT}")
+    return FlashError("esptool failed: " + _last_line(text))
+
+
+def esptool_argv(esptool: str, port: str, image: Image, *, baud: int = BAUD) -> list[list[str]]:
+    """The esptool command lines `device flash` runs against the board, in
+    order: identify, erase, write (esptool resets the board afterwards)."""
+    base = [esptool, "--chip", image.chip, "--port", port]
+    return [
+        [esptool, "--port", port, "read-mac"],
+        [*base, "erase-flash"],
+        [*base, "--baud", str(baud), "write-flash", f"0x{image.offset:x}", str(image.path)],
+    ]
+
+
+Runner = Callable[[Sequence[str], float], "subprocess.CompletedProcess[str]"]
+
+
+def run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise FlashError(f"{Path(argv[0]).name} did not finish within {timeout:.0f}s") from None
+
+
+def check_image(esptool: str, path: Path, runner: Runner = run) -> Image:
+    """The image file as esptool reads it; FlashError unless it is a valid
+    ESP image with MicroPython in it."""
+    if not path.is_file():
+        raise FlashError(f"no firmware image at {path}: {DOWNLOAD_HINT}")
+    r = runner([esptool, "image-info", str(path)], 60.0)
+    output = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise FlashError(f"{path} is not an ESP firmware image ({_last_line(output)}): {DOWNLOAD_HINT}")
+    label = parse_image_info(output)
+    if MICROPYTHON_MARK not in path.read_bytes():
+        raise FlashError(f"{path} is an {label} image but not MicroPython: {DOWNLOAD_HINT}")
+    return Image(path, chip_name(label), label)
+
+
+def flash(
+    esptool: str,
+    port: str,
+    image: Image,
+    *,
+    echo: Callable[[str], None],
+    runner: Runner = run,
+    baud: int = BAUD,
+) -> str:
+    """Identify, erase and write; returns the chip label the board gave."""
+    identify, erase, write = esptool_argv(esptool, port, image, baud=baud)
+    echo(f"identify the chip on {port} ...")
+    r = runner(identify, 60.0)
+    output = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise classify(port, output)
+    chip = parse_chip(output)
+    if chip is None:
+        raise FlashError(f"esptool did not say which chip is on {port}: {_last_line(output)}")
+    if chip_name(chip) != image.chip:
+        raise FlashError(
+            f"the board on {port} is an {chip} but {image.path.name} is for {image.label}: {DOWNLOAD_HINT}"
+        )
+    for label, argv in (
+        ("erase the flash", erase),
+        (f"write {image.path.name} at 0x{image.offset:x}", write),
+    ):
+        echo(f"{label} ...")
+        t0 = time.monotonic()
+        r = runner(argv, ESPTOOL_TIMEOUT_S)
+        if r.returncode != 0:
+            raise classify(port, r.stdout + r.stderr)
+        echo(f"  done ({time.monotonic() - t0:.1f}s)")
+    return chip
+
+
+def wait_for_micropython(
+    probe: Callable[[], str | None], timeout: float = 45.0, interval: float = 1.0
+) -> Probe:
+    """Until the board answers PROBE as MicroPython (after the reset the
+    first boot formats the filesystem; a native-USB board re-enumerates)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        output = probe()
+        if output is not None:
+            found = parse_probe(output)
+            if found is not None and found.impl == "micropython":
+                return found
+            last = _last_line(output)
+        if time.monotonic() > deadline:
+            raise FlashError(
+                f"the board did not answer as MicroPython within {timeout:.0f}s after flashing: {last}"
+            )
+        time.sleep(interval)
