@@ -49,29 +49,6 @@ class Hardware:
             except OSError as e2:
                 self._log("wifi:", repr(e2))
 
-    def wifi_connect(self, ssid, password, timeout_ms):
-        """Start a connection and wait for it, feeding the watchdog; False on
-        timeout (the caller backs off and tries again later)."""
-        if self._wlan is None:
-            self._wlan = network.WLAN(network.STA_IF)
-        wlan = self._wlan
-        wlan.active(True)
-        if wlan.isconnected():
-            return True
-        try:
-            wlan.disconnect()  # a stale attempt makes connect() raise on ESP32
-        except OSError:
-            pass
-        wlan.connect(ssid, password)
-        t0 = time.ticks_ms()
-        while not wlan.isconnected():
-            if time.ticks_diff(time.ticks_ms(), t0) > timeout_ms:
-                self._log("wifi: no link after", timeout_ms, "ms, status", wlan.status())
-                return False
-            self.feed()
-            time.sleep_ms(100)
-        return True
-
     def wifi_off(self):
         if self._wlan is not None:
             self._wlan.active(False)

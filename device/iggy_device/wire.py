@@ -42,18 +42,14 @@ def socket(*args):
 
 def getaddrinfo(host, port, *args):
     # resolved once and cached: the ESP32 resolver takes no timeout (an IP
-    # address as broker never resolves); forget() after a failed connect
+    # address as broker never resolves); the device sets _addr = None after
+    # a failed connect (the address may have moved)
     global _addr
     if _addr is None or _addr[0] != (host, port):
         feed()
         _addr = ((host, port), _socket.getaddrinfo(host, port, *args))
         feed()
     return _addr[1]
-
-
-def forget():
-    global _addr
-    _addr = None
 
 
 class Wire:
@@ -68,14 +64,14 @@ class Wire:
         self._left = 0  # body bytes of the current inbound packet umqtt has not read
         self._pb = b""  # header bytes read ahead, handed to umqtt next
         self.frames = 0  # inbound packets: liveness
-        self.arm()
+        self._deadline = time.ticks_add(time.ticks_ms(), self._t)  # a step's end
 
     # -- what umqtt calls ------------------------------------------------------
     def connect(self, addr):
         self._tmo(self._t)
         self._raw.connect(addr)
         feed()
-        self.arm()
+        self._deadline = time.ticks_add(time.ticks_ms(), self._t)
 
     def settimeout(self, t):
         pass  # umqtt >= 1.6 sets its own (None: forever); ours stay
@@ -92,7 +88,8 @@ class Wire:
         if self._n + n > len(self._buf):
             self.flush()
             if n > len(self._buf):
-                self._send(memoryview(buf)[:n])
+                self._n = n
+                self.flush(memoryview(buf))
                 return n
         self._buf[self._n : self._n + n] = memoryview(buf)[:n]
         self._n += n
@@ -114,7 +111,8 @@ class Wire:
                     first = None
                 if not first:
                     return first  # None: nothing waiting; b"": closed
-                self.arm()  # the rest of this packet is one step
+                # the rest of this packet is one step
+                self._deadline = time.ticks_add(time.ticks_ms(), self._t)
             self._frame(first)
         out = self._pb[:n]
         self._pb = self._pb[len(out) :]
@@ -132,22 +130,21 @@ class Wire:
             self._s.close()
 
     # -- what the device and tlsconn call ------------------------------------------
-    def arm(self):
-        """Start a step: blocking reads give up ``timeout_ms`` from now."""
-        self._deadline = time.ticks_add(time.ticks_ms(), self._t)
-
-    def flush(self):
+    def flush(self, buf=None):
         if self._n:
             n = self._n
             self._n = 0
-            self._send(memoryview(self._buf)[:n])
+            self._tmo(self._t)
+            self._s.write(memoryview(buf or self._buf)[:n])
+            # an answer is due within timeout_ms of what we sent
+            self._deadline = time.ticks_add(time.ticks_ms(), self._t)
 
     def wrap(self, fn):
         """TLS: ``fn(tcp_socket)`` returns the TLS stream; the handshake's
         reads are bounded by the TCP socket's timeout."""
         self._s = fn(self._raw)
         feed()
-        self.arm()
+        self._deadline = time.ticks_add(time.ticks_ms(), self._t)
         return self
 
     # -- inside -------------------------------------------------------------------
@@ -155,11 +152,6 @@ class Wire:
         if ms != self._cur:
             self._raw.settimeout(ms / 1000 if ms else 0)
             self._cur = ms
-
-    def _send(self, mv):
-        self._tmo(self._t)
-        self._s.write(mv)
-        self.arm()  # an answer is due within timeout_ms of what we sent
 
     def _recv(self, n, drop=False):
         """Exactly ``n`` bytes, blocking until the step's deadline.  With
@@ -188,7 +180,7 @@ class Wire:
             if got:
                 n -= got
                 if drop:
-                    self.arm()
+                    self._deadline = time.ticks_add(time.ticks_ms(), self._t)
                     feed()
                 else:
                     out = out + data if out else data
@@ -227,7 +219,7 @@ class Wire:
                     self.write(pid)
                     self.flush()
                 refused += 1
-                log("mqtt: refused a", payload, "byte message on", topic, "(msg_max_bytes", str(max_payload) + ")")
+                log("mqtt: refused a", payload, "byte message on", topic.decode(), "> msg_max_bytes", max_payload)
                 self._pb = b"\xd0\x00"  # umqtt gets a PINGRESP instead, which it ignores
                 self._left = 0
                 return
