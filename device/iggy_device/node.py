@@ -252,16 +252,17 @@ class Device:
     def shutdown(self):
         """Persist cursors and state, publish ``offline`` and disconnect."""
         self._handle_inbox()  # acknowledged to the broker: run them before sleeping
-        self.ring.flush()
-        self.wake["seq"] = self.seq.peek()
-        self._save_rtc()
         if self._client is not None:
             try:
                 self._client.publish(self._t_status, b"offline", True, 1)
                 self._client.disconnect()
             except NET_ERRORS:
-                pass
+                _close(self._client)
             self._client = None
+        self._handle_inbox()  # taken in during that last PUBACK wait (acks go to the ring)
+        self.ring.flush()
+        self.wake["seq"] = self.seq.peek()
+        self._save_rtc()
 
     def diag(self):
         free, alloc = self.hw.heap()

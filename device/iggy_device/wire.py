@@ -96,6 +96,8 @@ class Wire:
         return n
 
     def read(self, n):
+        if not n:
+            return b""  # an empty payload: not the next packet's first byte
         self.flush()
         if not self._left and not self._pb:
             # a packet boundary: frame the next packet

@@ -159,6 +159,9 @@ def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
     board = Board(flash).start()
     try:
         _wait_console(board, "[iggy] connected to")
+        # an empty payload, alone: reading it must not wait for the next packet
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", "")
+        _wait_console(board, "bad command: payload is not JSON")
         big = {"id": "big", "name": "set_relay", "args": {"on": True, "pad": "x" * 5000}}  # over 4096
         mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(big))
         ok = {"id": "small", "name": "get_state", "args": {}}
@@ -176,6 +179,7 @@ def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
         board.stop()
     assert [a["id"] for a in log.json("/up/ack")] == ["small", "after"]
     assert board.console().count("mqtt: refused") == 1
+    assert "connection lost" not in board.console()
     assert ("26", 1) not in flash.pins()  # the oversized set_relay never ran
 
 
