@@ -256,7 +256,7 @@ class Device:
             try:
                 self._client.publish(self._t_status, b"offline", True, 1)
                 self._client.disconnect()
-            except NET_ERRORS:
+            except (NET_ERRORS, MemoryError):
                 _close(self._client)
             self._client = None
         self._handle_inbox()  # taken in during that last PUBACK wait (acks go to the ring)
@@ -296,6 +296,9 @@ class Device:
                 self._pub(channel, payload)
                 return
             except NET_ERRORS as e:
+                self._lost(e)
+            except MemoryError as e:  # receiving during the PUBACK wait
+                self._oom(e)
                 self._lost(e)
         lost = self.ring.append(channel, payload)
         self.stats["buffered"] += 1

@@ -166,6 +166,11 @@ class Wire:
             rem = time.ticks_diff(self._deadline, time.ticks_ms())
             if rem <= 0:
                 raise OSError(errno.ETIMEDOUT)
+            # what is left of the step, rounded up to a quarter of it: a read
+            # ends at most timeout_ms / 4 late, and settimeout (a system call)
+            # runs at most four times per step instead of at every read
+            q = (self._t >> 2) or 1
+            rem = (rem + q - 1) // q * q
             self._tmo(rem if rem < self._t else self._t)
             try:
                 if drop:
