@@ -39,7 +39,7 @@ MPLIB_DIR = Path(os.environ.get("IGGY_EDGE_MPLIB", REPO / ".venv" / "micropython
 # 88k since the network bounds (wire.py, issue 10): the library grew by about
 # 6 kB here (about 3-4 kB with an ESP32's 4-byte words); at 80k a config
 # message or the diag document then hit MemoryError for want of a contiguous
-# block.  Smallest heap that runs env_sensor cleanly: 84k (was 72k).
+# block.  Smallest heap for 300 cycles: 78k (was 72k); with a config: 84k.
 ESP32_HEAP = "88k"  # with the library as .mpy (64-bit words: harsher than an ESP32)
 SOURCE_HEAP = "128k"  # compiling .py on the board needs more
 
