@@ -85,6 +85,8 @@ class FreezableProxy:
     def _serve(self, down: socket.socket) -> None:
         while self.frozen.is_set() and not self._stop.is_set():
             self._stop.wait(0.05)  # accepted, silent until thawed
+        if self._stop.is_set():
+            return  # close() closes `down`
         try:
             up = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
         except OSError:
@@ -121,11 +123,12 @@ class FreezableProxy:
     def close(self) -> None:
         self._stop.set()
         self._listener.close()
+        for _ in range(3):  # a thread may still start one more: join again
+            for t in list(self._threads):  # every thread ends within about 0.1 s
+                t.join(5)
         for s in self._socks:
             with contextlib.suppress(OSError):
                 s.close()
-        for t in self._threads:
-            t.join(2)
 
 
 @contextlib.contextmanager
