@@ -180,6 +180,8 @@ async def test_malformed_commands_are_dead_lettered_and_consumed(tmp_path: Path,
         json.dumps({"id": "x2", "device": "a/b", "name": "n"}).encode(),  # device is not one topic level
         json.dumps({"id": "x3", "device": "dev-1", "name": "n", "args": [1]}).encode(),
         json.dumps({"id": "x4", "device": "dev-1", "name": "n", "expires_at": "soon"}).encode(),
+        # over what a device accepts (MAX_DEVICE_PAYLOAD_BYTES): it would throw it away unread
+        json.dumps({"id": "x5", "device": "dev-1", "name": "n", "args": {"blob": "x" * 5000}}).encode(),
     ]
     async with device(broker) as dev, running(settings, iggy) as r:
         for payload in bad:

@@ -57,6 +57,16 @@ async def test_send_refuses_a_memory_iggy_with_a_reason(tmp_path: Path) -> None:
     code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "-n", "x", "--args", "[1]")
     assert code == 2
     assert "JSON object" in err
+    # too big for a device: refused before anything is sent, with the limit
+    big = json.dumps({"blob": "x" * 5000})
+    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "-n", "x", "--args", big)
+    assert code == 2
+    assert "over the 4096-byte limit devices accept" in err
+    desired = tmp_path / "big.json"
+    desired.write_text(big)
+    code, _, err = await cli("config", "push", str(desired), "-c", str(conf), "-d", "d1")
+    assert code == 2
+    assert "config for the device is 5011 bytes, over the 4096-byte limit" in err
 
 
 async def test_list_shows_states_and_offsets(tmp_path: Path) -> None:

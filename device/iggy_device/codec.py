@@ -71,7 +71,7 @@ def parse_command(raw):
 
 class CommandError(ValueError):
     def __init__(self, cid, reason):
-        ValueError.__init__(self, reason)
+        super().__init__(reason)  # MicroPython has no ValueError.__init__ to call
         self.cid = cid
         self.reason = reason
 

@@ -37,7 +37,9 @@ DEFAULTS = {
     # someone fixes the credentials, so wait longer (still capped)
     "auth_backoff_base_ms": 30000,
     "auth_backoff_max_ms": 900000,
-    "socket_timeout_s": 10,
+    "socket_timeout_s": 10,  # each blocking network step (at most wdt_ms/3 with a watchdog)
+    "msg_max_bytes": 4096,  # inbound payloads over this are read in chunks and thrown away
+    "inbox_bytes": 8192,  # inbound messages held before handling; the rest waits at the broker
     "drain_per_poll": 32,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
     # > 0: a watchdog never fed, so the board resets after this long awake
@@ -100,6 +102,8 @@ class Config:
             "upload_every",
             "cursor_every",
             "socket_timeout_s",
+            "msg_max_bytes",
+            "inbox_bytes",
         ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")

@@ -47,28 +47,27 @@ class Hardware:
     def wifi_connected(self):
         return self._wlan is not None and self._wlan.isconnected()
 
-    def wifi_connect(self, ssid, password, timeout_ms):
-        """Start a connection and wait for it, feeding the watchdog; False on
-        timeout (the caller backs off and tries again later)."""
+    def wifi_begin(self, ssid, password):
+        """Start joining the access point and return at once (the caller
+        polls wifi_connected()).  While the driver is reconnecting by itself
+        (ESP32: after a lost link) it is left alone: disconnect() would
+        cancel that."""
         if self._wlan is None:
             self._wlan = network.WLAN(network.STA_IF)
         wlan = self._wlan
         wlan.active(True)
-        if wlan.isconnected():
-            return True
+        if wlan.isconnected() or wlan.status() == getattr(network, "STAT_CONNECTING", None):
+            return
         try:
-            wlan.disconnect()  # a stale attempt makes connect() raise on ESP32
-        except OSError:
-            pass
-        wlan.connect(ssid, password)
-        t0 = time.ticks_ms()
-        while not wlan.isconnected():
-            if time.ticks_diff(time.ticks_ms(), t0) > timeout_ms:
-                self._log("wifi: no link after", timeout_ms, "ms, status", wlan.status())
-                return False
-            self.feed()
-            time.sleep_ms(100)
-        return True
+            wlan.connect(ssid, password)
+        except OSError as e:
+            # a stale attempt the driver gave up on: clear it, start again
+            self._log("wifi:", repr(e))
+            try:
+                wlan.disconnect()
+                wlan.connect(ssid, password)
+            except OSError as e2:
+                self._log("wifi:", repr(e2))
 
     def wifi_off(self):
         if self._wlan is not None:

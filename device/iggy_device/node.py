@@ -21,6 +21,7 @@ import gc
 import json
 import time
 
+from umqtt import simple as _umqtt
 from umqtt.simple import MQTTClient, MQTTException
 
 from . import codec
@@ -29,6 +30,7 @@ from .dedupe import RecentCommands
 from .ring import Ring
 from .seq import Sequence
 from . import fsutil
+from . import wire
 
 # umqtt signals a dead connection in several ways: OSError from the socket,
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
@@ -40,66 +42,16 @@ NET_ERRORS = (OSError, MQTTException, IndexError, AssertionError)
 # counter and a longer backoff.
 AUTH_REFUSED = (4, 5, 0x86, 0x87)
 
-_INBOX_MAX = 16
+_MSGS_PER_POLL = 16  # inbound messages handled per poll(): the loop stays responsive
+_REFILLS = 8  # connect(): reconnects to fetch what a full inbox refused
+_NTP_RETRY_MS = 600000  # a clock that did not sync is tried again after 10 min
 _RTC_MAGIC = "ie1"
 
 
-class _Wire:
-    """The socket as umqtt sees it, with two fixes:
-
-    - umqtt's wait_msg() calls setblocking(True), which on MicroPython clears
-      any timeout: a half-open TCP connection would then block a QoS1 publish
-      forever.  Here "blocking" means "blocking with a timeout".
-    - umqtt writes one MQTT packet in four or five small writes.  With
-      Nagle's algorithm on both ends each QoS1 publish then waits for a
-      delayed ACK (about 40 ms on Linux brokers: 20 publishes a second).  The
-      writes are gathered here and sent as one segment when umqtt turns to
-      reading (or closes), which also saves lwIP buffers on the ESP32.
-    """
-
-    def __init__(self, sock, timeout_s, size=384, raw=None):
-        self._s = sock
-        # timeouts live on the TCP socket (a TLS socket reads through it and
-        # has no settimeout of its own)
-        self._raw = raw if raw is not None else sock
-        self._t = timeout_s
-        self._buf = bytearray(size)
-        self._n = 0
-        self._raw.settimeout(timeout_s)
-
-    def write(self, buf, n=None):
-        if isinstance(buf, str):
-            buf = buf.encode()
-        if n is None:
-            n = len(buf)
-        if self._n + n > len(self._buf):
-            self.flush()
-            if n > len(self._buf):
-                self._s.write(memoryview(buf)[:n])
-                return n
-        self._buf[self._n : self._n + n] = memoryview(buf)[:n]
-        self._n += n
-        return n
-
-    def flush(self):
-        if self._n:
-            n = self._n
-            self._n = 0
-            self._s.write(memoryview(self._buf)[:n])
-
-    def read(self, n):
-        self.flush()
-        return self._s.read(n)
-
-    def setblocking(self, flag):
-        self.flush()  # while still blocking-with-timeout: never a short write
-        self._raw.settimeout(self._t if flag else 0)
-
-    def close(self):
-        try:
-            self.flush()
-        finally:
-            self._s.close()
+class InboxFull(OSError):
+    """Raised from umqtt's message callback: umqtt then does not acknowledge
+    the message, and the connection is dropped so that the broker sends it
+    (and everything after it) again at the next connect."""
 
 
 class Device:
@@ -130,7 +82,24 @@ class Device:
         self._client = None
         self._next_try = time.ticks_ms()
         self._last_tx = self._next_try
+        # every blocking network step gives up after this; with a watchdog a
+        # step (one read plus one write) must end well before it bites
+        t = cfg.socket_timeout_s * 1000
+        if cfg.wdt_ms and t > cfg.wdt_ms // 3:
+            t = cfg.wdt_ms // 3
+        self._t_ms = t
+        wire.timeout_ms = t
+        wire.max_payload = cfg.msg_max_bytes
+        wire.feed = hw.feed
+        wire.log = self.log
+        self._last_rx = self._next_try
+        self._frames = 0
+        self._ping_at = None
+        self._wifi_t0 = None
+        self._ntp_next = self._next_try
+        self._refill = False
         self._inbox = []
+        self._inbox_bytes = 0
         self._handlers = {}
         self._config_cb = None
         self._reported_dropped = -1
@@ -191,10 +160,12 @@ class Device:
         drain the buffer, keep the session alive.  Never blocks longer than a
         connection attempt."""
         self.hw.feed()
+        if self._inbox:
+            self._handle_inbox()  # taken in before a reconnect for the rest
         if self._client is None and not self._connect_if_due():
             return False
         try:
-            for _ in range(_INBOX_MAX):
+            for _ in range(_MSGS_PER_POLL):
                 if self._client is None:
                     break
                 if self._client.check_msg() is None and not self._inbox:
@@ -203,11 +174,12 @@ class Device:
             self._handle_inbox()
             self._drain(self.cfg.drain_per_poll)
             self._report_drops()
-            c = self._client
-            if c is not None and time.ticks_diff(time.ticks_ms(), self._last_tx) > self.cfg.keepalive * 500:
-                c.ping()
-                self._last_tx = time.ticks_ms()
+            self._liveness()
         except NET_ERRORS as e:
+            self._lost(e)
+        except MemoryError as e:
+            # mid-message: the stream is out of step, start over
+            self._oom(e)
             self._lost(e)
         return self._client is not None
 
@@ -245,9 +217,21 @@ class Device:
         return self._client is not None
 
     def connect(self):
-        """Try to connect now (ignoring the backoff schedule); True when up."""
-        self._next_try = time.ticks_ms()
-        return self._connect_if_due()
+        """Try to connect now (ignoring the backoff schedule), waiting for
+        WiFi up to ``wifi_timeout_ms``; True when up."""
+        for _ in range(_REFILLS):
+            self._next_try = time.ticks_ms()
+            while True:
+                if self._connect_if_due():
+                    return True
+                if self._wifi_t0 is None:
+                    break  # failed, not still joining the access point
+                self.hw.feed()
+                time.sleep_ms(50)
+            if not self._refill:
+                return False
+            self._handle_inbox()  # then fetch what the full inbox refused
+        return False
 
     def flush(self, budget_ms=5000):
         """Send what is buffered, within ``budget_ms``; True when empty."""
@@ -269,16 +253,18 @@ class Device:
 
     def shutdown(self):
         """Persist cursors and state, publish ``offline`` and disconnect."""
-        self.ring.flush()
-        self.wake["seq"] = self.seq.peek()
-        self._save_rtc()
+        self._handle_inbox()  # acknowledged to the broker: run them before sleeping
         if self._client is not None:
             try:
                 self._client.publish(self._t_status, b"offline", True, 1)
                 self._client.disconnect()
-            except NET_ERRORS:
-                pass
+            except (NET_ERRORS, MemoryError):
+                _close(self._client)
             self._client = None
+        self._handle_inbox()  # taken in during that last PUBACK wait (acks go to the ring)
+        self.ring.flush()
+        self.wake["seq"] = self.seq.peek()
+        self._save_rtc()
 
     def diag(self):
         free, alloc = self.hw.heap()
@@ -289,6 +275,10 @@ class Device:
         d["seq_recovered"] = 1 if self.seq.recovered else 0
         for k in self.stats:
             d[k] = self.stats[k]
+        # messages over msg_max_bytes and MemoryErrors count as bad messages:
+        # no key of their own, the diag document stays under a dict size that
+        # needs a larger contiguous block (about 8 kB more heap on the Unix port)
+        d["bad_messages"] += wire.refused
         return d
 
     def log(self, *args):
@@ -309,6 +299,9 @@ class Device:
                 self._pub(channel, payload)
                 return
             except NET_ERRORS as e:
+                self._lost(e)
+            except MemoryError as e:  # receiving during the PUBACK wait
+                self._oom(e)
                 self._lost(e)
         lost = self.ring.append(channel, payload)
         self.stats["buffered"] += 1
@@ -350,25 +343,39 @@ class Device:
         cfg = self.cfg
         stage = "wifi"
         try:
-            if not self.hw.wifi_connected():
-                if not self.hw.wifi_connect(cfg.wifi_ssid, cfg.wifi_password, cfg.wifi_timeout_ms):
-                    raise OSError("wifi: no link")
-                if cfg.ntp and self.hw.unix_time() is None:
-                    self.hw.sync_clock()
+            if not self._wifi_up(now):
+                return False  # still joining: readings go on meanwhile
             stage = "mqtt"
+            # umqtt opens its socket itself: make it a Wire (wire.py), so the
+            # TCP connect, CONNACK, SUBACK and PUBACK waits all time out
+            _umqtt.socket = wire
             c = self._new_client()
             c.set_callback(self._on_msg)
             c.set_last_will(self._t_status, b"offline", True, 1)
             try:
+                self.hw.feed()
                 c.connect(cfg.clean_session)
-                c.sock = _Wire(c.sock, cfg.socket_timeout_s, raw=self._tls.raw if self._tls else None)
+                self.hw.feed()
                 c.publish(self._t_status, b"online", True, 1)
+                self.hw.feed()
                 c.subscribe(self._t_cmd, 1)
+                self.hw.feed()
                 c.subscribe(self._t_config, 1)
+                self.hw.feed()
             except NET_ERRORS:
                 _close(c)
                 raise
+            except MemoryError as e:
+                _close(c)
+                self._oom(e)
+                raise OSError("out of memory") from None
         except NET_ERRORS as e:
+            if isinstance(e, InboxFull):
+                self._refill = True
+                self._next_try = time.ticks_ms()
+                self.log("inbox full: reconnecting for the rest")
+                return False
+            wire._addr = None
             self.stats["conn_failures"] += 1
             if stage == "mqtt" and _refused_login(e):
                 self.stats["auth_failures"] += 1
@@ -389,18 +396,80 @@ class Device:
             return False
         self._client = c
         self._last_tx = time.ticks_ms()
+        self._last_rx = self._last_tx
+        self._frames = c.sock.frames
+        self._ping_at = None
         self.backoff.reset()
         self.auth_backoff.reset()
         self.stats["connects"] += 1
         self._reported_dropped = -1  # announce ourselves with a diag message
         self.log("connected to", cfg.broker, "buffered", len(self.ring))
+        if cfg.ntp and self.hw.unix_time() is None and time.ticks_diff(time.ticks_ms(), self._ntp_next) >= 0:
+            # after the session is up, so a slow or unreachable NTP server
+            # never delays it; once per _NTP_RETRY_MS at most
+            self._ntp_next = time.ticks_add(time.ticks_ms(), _NTP_RETRY_MS)
+            self.hw.feed()
+            self.hw.sync_clock()
+            self.hw.feed()
         return True
+
+    def _wifi_up(self, now):
+        """True when the link is up; False while joining (never blocks);
+        OSError after ``wifi_timeout_ms`` without a link."""
+        if self.hw.wifi_connected():
+            self._wifi_t0 = None
+            return True
+        if self._wifi_t0 is None:
+            self._wifi_t0 = now
+            self.hw.wifi_begin(self.cfg.wifi_ssid, self.cfg.wifi_password)
+            return self.hw.wifi_connected()
+        if time.ticks_diff(now, self._wifi_t0) < self.cfg.wifi_timeout_ms:
+            return False
+        self._wifi_t0 = None
+        raise OSError("wifi: no link after " + str(self.cfg.wifi_timeout_ms) + " ms")
+
+    def _liveness(self):
+        """While connected: the WiFi link is up, and the broker answers.
+        A PINGREQ goes out after keepalive/2 s without traffic either way; no
+        packet within the step timeout after it means the broker is gone."""
+        c = self._client
+        if c is None:
+            return
+        if not self.hw.wifi_connected():
+            raise OSError("wifi: link lost")
+        now = time.ticks_ms()
+        w = c.sock
+        if w.frames != self._frames:
+            self._frames = w.frames
+            self._last_rx = now
+            self._ping_at = None
+        if self._ping_at is not None:
+            if time.ticks_diff(now, self._ping_at) > self._t_ms:
+                raise OSError("mqtt: no PINGRESP within " + str(self._t_ms) + " ms")
+            return
+        half = self.cfg.keepalive * 500
+        if half and (time.ticks_diff(now, self._last_tx) > half or time.ticks_diff(now, self._last_rx) > half):
+            c.ping()
+            w.flush()
+            self._ping_at = now
+            self._last_tx = now
+
+    def _oom(self, err):
+        gc.collect()
+        self.stats["bad_messages"] += 1
+        self.log("out of memory:", repr(err), "free", gc.mem_free())
 
     def _lost(self, err):
         self.log("connection lost:", repr(err))
         _close(self._client)
         self._client = None
+        self._ping_at = None
         self.ring.flush()
+        if isinstance(err, InboxFull):
+            # not the network's fault: fetch the rest right away
+            self._refill = True
+            self._next_try = time.ticks_ms()
+            return
         delay = self.backoff.next_ms()
         self._next_try = time.ticks_add(time.ticks_ms(), delay)
 
@@ -418,19 +487,29 @@ class Device:
 
     # -- incoming -----------------------------------------------------------------
     def _on_msg(self, topic, msg):
-        # runs inside umqtt's read loop: queue only, never publish here
-        if len(self._inbox) >= _INBOX_MAX:
+        # runs inside umqtt's read loop: queue only, never publish here.
+        # umqtt acknowledges the message when this returns, so what does not
+        # fit is refused (no ack) and comes again after a reconnect.
+        n = len(msg)
+        if self._inbox and self._inbox_bytes + n > self.cfg.inbox_bytes:
             self.stats["inbox_full"] += 1
-            return
+            raise InboxFull("inbox full")
         self._inbox.append((topic, msg))
+        self._inbox_bytes += n
 
     def _handle_inbox(self):
+        self._refill = False
         while self._inbox:
             topic, msg = self._inbox.pop(0)
-            if topic == self._b_cmd:
-                self._handle_command(msg)
-            elif topic == self._b_config:
-                self._handle_config(msg)
+            self._inbox_bytes -= len(msg)
+            try:
+                if topic == self._b_cmd:
+                    self._handle_command(msg)
+                elif topic == self._b_config:
+                    self._handle_config(msg)
+            except MemoryError as e:
+                self._oom(e)
+            msg = None
             gc.collect()
 
     def _handle_command(self, raw):

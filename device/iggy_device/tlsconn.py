@@ -31,9 +31,17 @@ class Tls:
         self.raw = None  # the TCP socket under the last TLS session
 
     def wrap_socket(self, sock, server_hostname=None, **_):
+        wrap = getattr(sock, "wrap", None)
+        if wrap is not None:
+            # the device's Wire (wire.py): it keeps the TCP socket and its
+            # timeouts, and carries on with the TLS stream on top
+            return wrap(self._wrap)
         # bound the handshake and every later read/write: the TLS layer
         # reads and writes through this socket
         sock.settimeout(self._timeout)
+        return self._wrap(sock)
+
+    def _wrap(self, sock):
         self.raw = sock
         try:
             return self._ctx.wrap_socket(sock, server_hostname=self.hostname)

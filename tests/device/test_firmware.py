@@ -149,6 +149,9 @@ def test_broker_outage_readings_arrive_afterwards_oldest_first_none_lost(
         _outage(broker, flash, log, dev, 2.0)  # about 100 readings go to the flash ring
         before = len(log.json("/up/env"))
         log.wait_for(lambda m: len(m.json("/up/env")) >= before + 150, 30, "readings after")
+        # the new session's diag queues behind what was buffered (WiFi joins
+        # without blocking, so readings go on while it is held down)
+        log.wait_for(lambda m: any(d["connects"] >= 2 for d in m.json("/up/diag")), 30, "the second diag")
     finally:
         board.stop()
     seqs = _seq_of(log.json("/up/env"))

@@ -20,7 +20,10 @@ Wire formats (JSON objects, UTF-8)::
 ``args``, ``created_at`` and ``expires_at`` may be left out (empty args; the
 time the agent read it; ``created_at + default_ttl_s``).  Anything else that
 does not fit is an `InvalidCommand`; the return poll dead-letters it with
-reason ``invalid_command``.
+reason ``invalid_command``.  That includes a command or config whose payload
+for the device (``device_payload()``) is over `MAX_DEVICE_PAYLOAD_BYTES`:
+the device library throws such messages away unread (its ``msg_max_bytes``,
+4096 by default), so sending one could only lose it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from ..config import Settings
 from ..uplink.partition import partition_for
@@ -40,6 +43,9 @@ from ..uplink.partition import partition_for
 MAX_ID_CHARS: Final = 64  # the device library keeps recent ids; it accepts 1..64 characters
 MAX_NAME_CHARS: Final = 64
 MAX_DEVICE_CHARS: Final = 128
+# What a device accepts on down/cmd and down/config: the device library's
+# default msg_max_bytes (device/iggy_device/config.py).
+MAX_DEVICE_PAYLOAD_BYTES: Final = 4096
 # A device id is one MQTT topic level: no separators, wildcards or NUL.
 DEVICE_ID: Final = re.compile(r"^[^/+#\x00]{1,128}$")
 _SEP: Final = (",", ":")
@@ -203,7 +209,7 @@ def parse_command(payload: bytes, *, now: float, default_ttl_s: float) -> Comman
         raise InvalidCommand("'args' must be a JSON object")
     created = _time(doc, "created_at", now)
     expires = _time(doc, "expires_at", created + default_ttl_s)
-    return Command(cid, device, name, args, created, expires)
+    return _fits(Command(cid, device, name, args, created, expires))
 
 
 def parse_config(payload: bytes, *, now: float, fallback_id: str) -> DesiredConfig:
@@ -216,7 +222,21 @@ def parse_config(payload: bytes, *, now: float, fallback_id: str) -> DesiredConf
     cid = fallback_id if raw_id is None else str(raw_id)
     if not 1 <= len(cid) <= MAX_ID_CHARS:
         raise InvalidCommand(f"config 'id'/'version' must be 1..{MAX_ID_CHARS} characters")
-    return DesiredConfig(cid, device, config, _time(doc, "created_at", now))
+    return _fits(DesiredConfig(cid, device, config, _time(doc, "created_at", now)))
+
+
+_Msg = TypeVar("_Msg", Command, DesiredConfig)
+
+
+def _fits(msg: _Msg) -> _Msg:
+    size = len(msg.device_payload())
+    if size > MAX_DEVICE_PAYLOAD_BYTES:
+        kind = "command" if isinstance(msg, Command) else "config"
+        raise InvalidCommand(
+            f"{kind} for the device is {size} bytes, over the {MAX_DEVICE_PAYLOAD_BYTES}-byte limit"
+            " devices accept (msg_max_bytes)"
+        )
+    return msg
 
 
 def parse_ack(payload: bytes) -> Ack | None:

@@ -1,6 +1,13 @@
 # Stand-in for MicroPython's ``network`` (ESP32 station interface).  The
 # link is up after connect() unless a file ``_hw_wifi_down`` exists in the
 # current directory (a test creates it to take the access point away).
+#
+# Like the ESP32 driver (reconnects unlimited, the default), a station that
+# was asked to connect keeps trying by itself while the access point is
+# away: status() is STAT_CONNECTING and the link comes back on its own.
+# disconnect() cancels that (the station stays down until connect()).
+# Every connect()/disconnect() is appended to ``_hw_wifi.log`` so a test
+# can see what the library asked of the driver.
 import os
 
 STA_IF = 0
@@ -19,6 +26,11 @@ def _ap_present():
         return True
 
 
+def _log(what):
+    with open("_hw_wifi.log", "a") as f:
+        f.write(what + "\n")
+
+
 class WLAN:
     def __init__(self, interface=STA_IF):
         self._active = False
@@ -33,11 +45,13 @@ class WLAN:
         return None
 
     def connect(self, ssid=None, key=None):
+        _log("connect")
         if not self._active:
             raise OSError("Wifi Not Started")
         self._ssid = ssid
 
     def disconnect(self):
+        _log("disconnect")
         self._ssid = None
 
     def isconnected(self):
@@ -46,7 +60,7 @@ class WLAN:
     def status(self, param=None):
         if self.isconnected():
             return STAT_GOT_IP
-        return STAT_NO_AP_FOUND if self._ssid is not None else STAT_IDLE
+        return STAT_CONNECTING if self._ssid is not None else STAT_IDLE
 
     def ifconfig(self, cfg=None):
         return ("127.0.0.1", "255.0.0.0", "127.0.0.1", "127.0.0.1")

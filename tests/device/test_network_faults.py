@@ -1,0 +1,286 @@
+"""The device library against networks and brokers that misbehave, under
+the real MicroPython Unix port with the real umqtt.simple (1.3.4, the
+oldest release firmware freezes): a peer that accepts TCP and never
+answers, a broker that goes silent behind an open connection, WiFi that
+goes away while connected, inbound messages too big for the heap, and more
+commands queued for a sleeping board than its inbox holds."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.device.peers import freezable_proxy, silent_peer
+from tests.support.broker import Broker
+from tests.support.micropython import (
+    DEEPSLEEP_EXIT,
+    ESP32_HEAP,
+    Board,
+    Flash,
+    MqttLog,
+    mqtt_publish,
+    require_micropython,
+)
+from tests.support.wait import wait_until
+
+pytestmark = pytest.mark.micropython
+
+CONNACK = b"\x20\x02\x00\x00"  # session not present, accepted
+
+
+@pytest.fixture(autouse=True)
+def _needs_micropython() -> None:
+    require_micropython()
+
+
+@pytest.fixture
+def subscribe(broker: Broker, tmp_path: Path) -> Iterator[Callable[[str], MqttLog]]:
+    logs: list[MqttLog] = []
+
+    def start(dev: str) -> MqttLog:
+        log = MqttLog(broker, f"edge/{dev}/#", tmp_path, f"sub-{dev}")
+        logs.append(log)
+        return log
+
+    yield start
+    for log in logs:
+        log.stop()
+
+
+def _dev_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _config(port: int, device_id: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "device_id": device_id,
+        "broker": "127.0.0.1",
+        "port": port,
+        "backoff_base_ms": 100,
+        "backoff_max_ms": 800,
+        "wdt_ms": 3000,  # every step gives up after wdt_ms/3 = 1 s
+        **extra,
+    }
+
+
+def _wait_console(board: Board, text: str, count: int = 1, timeout: float = 20) -> None:
+    wait_until(
+        lambda: board.console().count(text) >= count, timeout, what=f"{text!r} x{count} on the console"
+    )
+
+
+# -- 1. every blocking step of the connect is bounded -------------------------------
+
+
+@pytest.mark.parametrize("answer", [b"", CONNACK], ids=["no-connack", "connack-then-silence"])
+def test_battery_sensor_reaches_deep_sleep_when_the_broker_never_answers(
+    tmp_path: Path, answer: bytes
+) -> None:
+    with silent_peer(answer) as peer:
+        flash = Flash(tmp_path / "flash")
+        flash.install_example(
+            "battery_sensor", **_config(peer.port, _dev_id("mute"), upload_every=1, awake_ms=300)
+        )
+        board = Board(flash).start()
+        assert board.wait(30) == DEEPSLEEP_EXIT, board.console()[-3000:]
+        assert peer.accepted >= 1
+    console = board.console()
+    assert "mqtt connect failed: OSError(110" in console  # timed out, not refused
+    assert flash.text("_hw_sleeps.log").split() == ["300000"]
+    assert "watchdog starved" not in console
+
+
+def test_env_sensor_keeps_reading_while_the_broker_never_answers(tmp_path: Path) -> None:
+    with silent_peer() as peer:
+        flash = Flash(tmp_path / "flash")
+        flash.install_example(
+            "env_sensor", **_config(peer.port, _dev_id("mute-env"), period_ms=100, cycles=30)
+        )
+        board = Board(flash).start()
+        assert board.wait(60) == 0, board.console()[-3000:]
+        accepted = peer.accepted
+    done = board.done()
+    assert done["cycles"] == 30
+    assert done["buffered"] == 30  # every reading kept in the flash ring
+    assert done["conn_failures"] >= 2
+    assert accepted >= 2  # it tried again after each timeout
+    assert board.console().count("mqtt connect failed: OSError(110") >= 2
+
+
+# -- 2. oversized inbound messages ------------------------------------------------------
+
+
+def test_a_60kb_retained_config_is_refused_unread_in_a_small_heap(
+    broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
+) -> None:
+    dev = _dev_id("bigcfg")
+    log = subscribe(dev)
+    huge = json.dumps({"period_ms": 150, "pad": "x" * 60000})
+    mqtt_publish(broker, f"edge/{dev}/down/config", huge, retain=True)
+    flash = Flash(tmp_path / "flash")
+    flash.install_example("env_sensor", **_config(broker.port, dev, period_ms=20, cycles=20))
+    flash.install_library(mpy=True)
+    flash.compile_app()
+    board = Board(flash, heapsize=ESP32_HEAP)
+    for boot in range(2):  # retained: it comes again at every boot
+        board.start()
+        assert board.wait(60) == 0, board.console()[-3000:]
+        done = board.done()
+        assert done["bad_messages"] == 1, done  # the refused one, counted
+        assert done["cycles"] == 20
+        assert "out of memory" not in board.console()
+        assert board.console().count("mqtt: refused a 60") == boot + 1
+    assert "period_ms -> 150" not in board.console()
+    assert not flash.path("data/desired.json").exists()
+    log.wait_for(lambda m: len(m.json("/up/env")) >= 40, 20, "the readings of both boots")
+    env = [int(d["seq"]) for d in log.json("/up/env")]
+    assert len(env) == len(set(env)) == 40
+    # a config that fits still applies afterwards
+    mqtt_publish(broker, f"edge/{dev}/down/config", json.dumps({"period_ms": 150}), retain=True)
+    board.start()
+    assert board.wait(60) == 0, board.console()[-3000:]
+    assert "config: period_ms -> 150" in board.console()
+    assert board.done()["bad_messages"] == 0
+
+
+def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
+    broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
+) -> None:
+    dev = _dev_id("bigcmd")
+    log = subscribe(dev)
+    flash = Flash(tmp_path / "flash")
+    flash.install_example("actuator", **_config(broker.port, dev, period_ms=60000))
+    board = Board(flash).start()
+    try:
+        _wait_console(board, "[iggy] connected to")
+        # an empty payload, alone: reading it must not wait for the next packet
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", "")
+        _wait_console(board, "bad command: payload is not JSON")
+        big = {"id": "big", "name": "set_relay", "args": {"on": True, "pad": "x" * 5000}}  # over 4096
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(big))
+        ok = {"id": "small", "name": "get_state", "args": {}}
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(ok))
+        log.wait_for(lambda m: [a["id"] for a in m.json("/up/ack")] == ["small"], 20, "the small one's ack")
+        _wait_console(board, "mqtt: refused a 50")
+        # a power cut and a reboot: the refused one was acknowledged to the
+        # broker (it can never fit), so it is not sent again
+        board.stop()
+        board.start()
+        _wait_console(board, "[iggy] connected to", 2)
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "after", "name": "get_state"}))
+        log.wait_for(lambda m: len(m.json("/up/ack")) >= 2, 20, "the ack after the reboot")
+    finally:
+        board.stop()
+    assert [a["id"] for a in log.json("/up/ack")] == ["small", "after"]
+    assert board.console().count("mqtt: refused") == 1
+    assert "connection lost" not in board.console()
+    assert ("26", 1) not in flash.pins()  # the oversized set_relay never ran
+
+
+# -- 5. more commands queued for a sleeping board than its inbox holds ------------------
+
+
+@pytest.mark.parametrize("inbox_bytes", [None, 1024], ids=["default-inbox", "1k-inbox"])
+def test_thirty_commands_queued_for_a_sleeping_board_all_run(
+    broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog], inbox_bytes: int | None
+) -> None:
+    dev = _dev_id("queue")
+    log = subscribe(dev)
+    extra = {} if inbox_bytes is None else {"inbox_bytes": inbox_bytes}
+    flash = Flash(tmp_path / "flash")
+    flash.install_example(
+        "battery_sensor", **_config(broker.port, dev, upload_every=1, awake_ms=500, period_ms=60000, **extra)
+    )
+    board = Board(flash)
+    board.start()  # the first wake makes the broker keep a session for it
+    assert board.wait(30) == DEEPSLEEP_EXIT, board.console()[-3000:]
+    ids = [f"q-{i:02d}" for i in range(30)]
+    for i, cid in enumerate(ids):
+        cmd = {"id": cid, "name": "set_period", "args": {"period_ms": 1000 + i}}
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(cmd))
+    for _ in range(4):
+        board.start()
+        assert board.wait(60) == DEEPSLEEP_EXIT, board.console()[-3000:]
+        if {a["id"] for a in log.json("/up/ack")} >= set(ids):
+            break
+    log.wait_for(lambda m: {a["id"] for a in m.json("/up/ack")} >= set(ids), 10, "an ack for each of the 30")
+    acks = log.json("/up/ack")
+    assert all(a["status"] == "ok" for a in acks)
+    # each ran once (a redelivered one is acknowledged again, not run again)
+    first = {}
+    for a in acks:
+        first.setdefault(a["id"], a)
+    assert [first[c]["result"]["period_ms"] for c in ids] == [1000 + i for i in range(30)]
+    if inbox_bytes is not None:
+        assert "inbox full: reconnecting for the rest" in board.console() or "connection lost: InboxFull" in (
+            board.console()
+        )
+
+
+# -- 7. liveness --------------------------------------------------------------------------
+
+
+def test_a_silent_broker_is_detected_from_the_missing_pingresp(
+    broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
+) -> None:
+    dev = _dev_id("deaf")
+    log = subscribe(dev)
+    with freezable_proxy(broker.port) as proxy:
+        flash = Flash(tmp_path / "flash")
+        # quiet: nothing to send for a minute; keepalive 4 s: a PINGREQ after 2 s
+        flash.install_example("actuator", **_config(proxy.port, dev, period_ms=60000, keepalive=4))
+        board = Board(flash).start()
+        try:
+            _wait_console(board, "[iggy] connected to")
+            proxy.freeze()
+            # bound: keepalive/2 (2 s) + the step timeout (1 s) + one poll
+            _wait_console(board, "no PINGRESP within 1000 ms", timeout=10)
+            _wait_console(board, "mqtt connect failed: OSError(110", timeout=10)  # still silent
+            proxy.thaw()
+            _wait_console(board, "[iggy] connected to", 2, timeout=20)
+            mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "c-1", "name": "get_state"}))
+            log.wait_for(lambda m: len(m.json("/up/ack")) == 1, 20, "the ack after the broker came back")
+        finally:
+            board.stop()
+
+
+def test_wifi_loss_while_connected_is_noticed_and_the_driver_reconnects_by_itself(
+    broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
+) -> None:
+    dev = _dev_id("wifi-drop")
+    log = subscribe(dev)
+    flash = Flash(tmp_path / "flash")
+    flash.install_example("actuator", **_config(broker.port, dev, period_ms=60000, wifi_timeout_ms=500))
+    board = Board(flash).start()
+    try:
+        _wait_console(board, "[iggy] connected to")
+        flash.path("_hw_wifi_down").write_text("")
+        _wait_console(board, "wifi: link lost", timeout=10)
+        _wait_console(board, "wifi connect failed", timeout=10)
+        flash.path("_hw_wifi_down").unlink()
+        _wait_console(board, "[iggy] connected to", 2)
+        mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "c-1", "name": "get_state"}))
+        log.wait_for(lambda m: len(m.json("/up/ack")) == 1, 20, "the ack after WiFi came back")
+    finally:
+        board.stop()
+    # the library asked the driver to connect once and then left its own
+    # reconnect alone (disconnect() would have cancelled it)
+    assert flash.text("_hw_wifi.log").split() == ["connect"]
+
+
+def test_wifi_attempts_do_not_hold_up_readings(tmp_path: Path) -> None:
+    flash = Flash(tmp_path / "flash")
+    # the default wifi_timeout_ms (15 s) and no access point at all
+    flash.install_example("env_sensor", **_config(1, _dev_id("no-ap"), period_ms=50, cycles=40, wdt_ms=0))
+    flash.path("_hw_wifi_down").write_text("")
+    board = Board(flash).start()
+    # 40 readings 50 ms apart take 2 s; one blocking WiFi attempt alone 15 s
+    assert board.wait(12) == 0, board.console()[-3000:]
+    done = board.done()
+    assert done["cycles"] == 40
+    assert done["buffered"] == 40
