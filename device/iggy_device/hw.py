@@ -159,6 +159,7 @@ def start(main, battery=False):
     try:
         why = safe_mode()
         if why is None:
+            gc.collect()  # the imports' garbage: Config's attribute table needs one contiguous block
             cfg = config.load()
             why = safe_mode(cfg.safe_pin)
         if why is not None:
