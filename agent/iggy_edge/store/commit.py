@@ -16,6 +16,7 @@ from typing import Any
 
 from ..records import Route
 from ..timeouts import wait_for
+from .base import recent_key
 from .bounds import Bounds
 from .db import StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
@@ -197,7 +198,7 @@ class GroupCommit(DeadLetters, Bounds):
                 if recent:
                     await self._remember(recent, len(rows))
         for topic, dseq, crc, _ in recent:
-            self._recent[(topic, dseq, crc)] = None
+            self._recent[recent_key(topic, dseq, crc)] = None
         while len(self._recent) > RECENT_WINDOW:
             self._recent.popitem(last=False)
         self.records += len(rows) - freed_records

@@ -16,6 +16,7 @@ import aiosqlite
 from ..config import BufferSettings
 from ..metrics import Metrics
 from ..timeouts import wait_for
+from .base import recent_key
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
@@ -124,7 +125,7 @@ class Outbox(GroupCommit, ReadConfirm):
             (RECENT_WINDOW,),
         )
         for topic, dseq, crc in reversed(recent):
-            self._recent[(topic, dseq, crc)] = None
+            self._recent[recent_key(topic, dseq, crc)] = None
         self._recent_count = len(recent)
         self.recovery = await self._recovery_events()
         self._update_gauges()
@@ -184,7 +185,7 @@ class Outbox(GroupCommit, ReadConfirm):
     def seen(self, mqtt_topic: str, device_seq: int, crc: int) -> bool:
         """Was a record with this topic, device sequence and payload CRC
         committed recently?  (Used for broker redeliveries only.)"""
-        return (mqtt_topic, device_seq, crc) in self._recent
+        return recent_key(mqtt_topic, device_seq, crc) in self._recent
 
     def fail(self, err: StoreError) -> None:
         """Refuse further submissions (used when the disk is gone)."""
