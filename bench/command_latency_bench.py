@@ -58,6 +58,7 @@ from tests.support.iggy_server import IggyServer
 
 BENCH = "command_latency"
 DEVICES = 10
+QUIET_S = 5.0
 
 
 def _settings(state: Path, broker: Broker, poll_s: float, iggy: dict[str, Any]) -> Any:
@@ -145,11 +146,25 @@ async def run_once(
     busy: list[str] = []
     idle: list[str] = []
     started = time.perf_counter()
+    drained_at = None
+    requests: dict[str, tuple[float, int, int]] = {}  # phase -> (seconds, polls, looks)
+
+    def load() -> tuple[float, int, int]:
+        return time.perf_counter(), source.polls, source.probes
+
+    def phase(name: str, since: tuple[float, int, int]) -> tuple[float, int, int]:
+        now = load()
+        requests[name] = (now[0] - since[0], now[1] - since[1], now[2] - since[2])
+        return now
+
+    mark = load()
     i = 0
     try:
         while True:
             assert agent.outbox is not None
             draining = agent.outbox.records > 0
+            if not draining and drained_at is None:
+                drained_at = mark = phase("busy", mark)
             if not draining and len(idle) >= idle_commands:
                 break
             cmd = make_command(f"dev{i % DEVICES}", "bench", {"i": i})
@@ -166,6 +181,9 @@ async def run_once(
         drain_s = time.perf_counter() - started
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_arrived.wait(), 60)
+        mark = phase("after_drain", mark)
+        await asyncio.sleep(QUIET_S)  # no commands at all: what an idle gateway costs
+        phase("quiet", mark)
     finally:
         agent.stop()
         await asyncio.wait_for(task, 60)
@@ -179,7 +197,16 @@ async def run_once(
     def lat(ids: list[str]) -> list[float]:
         return sorted((arrived[c] - sent_at[c]) * 1000 for c in ids if c in arrived)
 
-    return {"busy": lat(busy), "idle": lat(idle), "lost": len(lost), "drain_s": drain_s}
+    rates = {k: round((p + q) / t, 1) for k, (t, p, q) in requests.items()}
+    detail = {k: {"s": round(t, 2), "polls": p, "looks": q} for k, (t, p, q) in requests.items()}
+    return {
+        "busy": lat(busy),
+        "idle": lat(idle),
+        "lost": len(lost),
+        "drain_s": drain_s,
+        "requests_per_s": rates,
+        "requests": detail,
+    }
 
 
 def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> None:
@@ -198,6 +225,19 @@ def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> No
         }
         emit(BENCH, f"{phase}_latency_p50", round(pct(values, 50), 1), "ms", **extra)
         emit(BENCH, f"{phase}_latency_p99", round(pct(values, 99), 1), "ms", **extra)
+    # What the return path asks of Iggy per gateway: polls plus looks at a
+    # topic (one GET_TOPIC each), per second, in each phase; "quiet" is with
+    # no command at all.
+    emit(
+        BENCH,
+        "return_path_requests_per_s",
+        result["requests_per_s"].get("quiet"),
+        "requests/s",
+        iggy=kind,
+        poll_interval_s=poll_s,
+        by_phase=result["requests_per_s"],
+        counts=result["requests"],
+    )
 
 
 async def main() -> None:
