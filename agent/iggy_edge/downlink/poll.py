@@ -33,7 +33,12 @@ every ``poll_interval_s``.  Idle, that is 5 + 1 + 2n/10 requests per
 second with n = ``iggy.partitions`` (6.6 at the default 3; polling every
 partition each second was 2n = 6), and a command waits at most 0.2 s for
 its first look instead of 1 s.  While messages come in, a round follows the
-previous one at once, as before.
+previous one at once, as before.  Commands come in bursts (an operator, a
+rule firing for a group of devices), so for ``HOT_INTERVALS`` poll intervals
+after a round that got a command the commands topic is looked at
+``HOT_LOOKS_PER_INTERVAL`` times per interval (every 50 ms at the default):
+20 looks a second while commands flow, back to 5 three seconds after the
+last one.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ log = logging.getLogger(__name__)
 INVALID_COMMAND: Final = "invalid_command"
 BACKOFF_MAX_S: Final = 30.0
 PROBES_PER_INTERVAL: Final = 5  # looks at the commands topic per poll_interval_s
+HOT_LOOKS_PER_INTERVAL: Final = 20  # ... while commands come in
+HOT_INTERVALS: Final = 3  # poll intervals after the last command that count as "coming in"
 FULL_ROUND_EVERY: Final = 10  # poll intervals between rounds that poll every partition
 
 
@@ -114,6 +121,7 @@ class ReturnPoll:
         # False once the server refused a look (a user allowed to poll but not
         # to read topic details): then every round polls every partition.
         self._looks = True
+        self._last_command = -float("inf")  # monotonic: when a round last got a command
 
     async def run(self) -> None:
         stored = await self._inbox.offsets()
@@ -147,7 +155,16 @@ class ReturnPoll:
             failures = 0
             await self._mirror_all()
             if not got:
-                await asyncio.sleep(self._dl.poll_interval_s / (PROBES_PER_INTERVAL if self._looks else 1))
+                await asyncio.sleep(self._pause())
+
+    def _pause(self) -> float:
+        """Seconds until the next look (module docstring: cadence)."""
+        interval = self._dl.poll_interval_s
+        if not self._looks:
+            return interval
+        if time.monotonic() - self._last_command < HOT_INTERVALS * interval:
+            return interval / HOT_LOOKS_PER_INTERVAL
+        return interval / PROBES_PER_INTERVAL
 
     async def _check_partition_count(self) -> None:
         """Warn when a topic has more partitions than we read (their commands
@@ -195,6 +212,8 @@ class ReturnPoll:
             got = await self._poll_or_skip(part, min(self._dl.poll_batch, room))
             room -= got
             total += got
+            if got:
+                self._last_command = time.monotonic()
         if total:
             self._metrics.inbox_records.set(await self._inbox.waiting())
         return total
