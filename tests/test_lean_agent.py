@@ -107,7 +107,12 @@ def _modules_of_run(tmp_path: Path, broker: Broker, iggy: str) -> set[str]:
 @pytest.mark.parametrize(
     ("iggy", "chosen", "not_chosen"),
     [
-        ('kind = "none"', [], ["apache_iggy", "iggy_edge.uplink.iggy", "iggy_edge.uplink.memory"]),
+        # no command source either: the return path's modules stay out too
+        (
+            'kind = "none"',
+            [],
+            ["apache_iggy", "iggy_edge.uplink.iggy", "iggy_edge.uplink.memory", "iggy_edge.downlink"],
+        ),
         # nobody listens there: the forwarder retries, the agent runs
         (
             f'kind = "iggy"\naddress = "127.0.0.1:{free_port()}"\nusername = "u"\npassword = "p"',
