@@ -449,8 +449,9 @@ class Ingest:
             self._ack_after(done, (None, 0, 0, topic, payload))
 
     def _ack_after(self, done: asyncio.Future[Any], ack: _Ack) -> None:
+        if not self._handlers:
+            self._idle.clear()
         self._handlers += 1
-        self._idle.clear()
         if done is self._ack_future and not done.done():
             self._ack_list.append(ack)
             return

@@ -159,11 +159,11 @@ class GroupCommit(DeadLetters, Bounds):
         """Write one group (lock held): bounds first, then one transaction."""
         rows = []
         add_bytes = 0
+        route_ids = self._route_ids
         for it in items:
-            if (it.route.stream, it.route.topic) not in self._route_ids:
-                await self._route_id(it.route)
-        for it in items:
-            rid = self._route_ids[(it.route.stream, it.route.topic)]
+            rid = route_ids.get((it.route.stream, it.route.topic))
+            if rid is None:
+                rid = await self._route_id(it.route)
             rows.append(
                 (
                     rid,
