@@ -60,6 +60,7 @@ from iggy_edge.uplink.memory import MemoryIggy
 from bench._common import Broker, emit, emit_machine, payload_60, skipped
 from bench._common import broker as make_broker
 from tests.support.iggy_server import IggyServer
+from tests.support.wait import async_wait_until
 
 BENCH = "command_latency"
 DEVICES = 10
@@ -155,6 +156,9 @@ async def run_once(
     agent = Agent(settings, uplink=uplink, command_source=source, components=(return_path,))
     task = asyncio.create_task(agent.run())
     await agent.ready.wait()
+    # Measured from the return path's first poll on: its start (inbox, Iggy
+    # login, the partition check) is not what a command waits for later.
+    await async_wait_until(lambda: source.polls > 0, 30, interval=0.005, what="the return path's first poll")
     topic = commands_topic(settings)
     busy: list[str] = []
     idle: list[str] = []

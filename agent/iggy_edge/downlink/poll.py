@@ -24,20 +24,20 @@ Cadence (what it costs the Iggy server): a poll of an empty partition and a
 look at a topic's partitions (`CommandSource.last_offsets`, one GET_TOPIC for
 all of them) cost the server about the same, so the return poll looks before
 it polls and polls only the partitions with something new.  The commands
-topic is looked at every ``poll_interval_s / PROBES_PER_INTERVAL`` (0.25 s at
+topic is looked at every ``poll_interval_s / PROBES_PER_INTERVAL`` (0.2 s at
 the default 1 s), the config topic every ``poll_interval_s``, and every
 ``FULL_ROUND_EVERY`` intervals every partition is polled regardless, in case
 the server's figures ever lag.  A server that refuses the look (the user may
 poll but not read topic details) gets the plain cadence: every partition
-every ``poll_interval_s``.  Idle, that is 4 + 1 + 2n/20 requests per second
-with n = ``iggy.partitions`` (5.3 at the default 3; polling every partition
-each second was 2n = 6), and a command waits at most 0.25 s for its first
+every ``poll_interval_s``.  Idle, that is 5 + 1 + 2n/20 requests per second
+with n = ``iggy.partitions`` (6.3 at the default 3; polling every partition
+each second was 2n = 6), and a command waits at most 0.2 s for its first
 look instead of 1 s.  While messages come in, a round follows the previous
 one at once, as before.  Commands come in bursts (an operator, a rule firing
 for a group of devices), so for ``HOT_INTERVALS`` poll intervals after a
 round that got a command the commands topic is looked at
 ``HOT_LOOKS_PER_INTERVAL`` times per interval (every 50 ms at the default):
-20 looks a second while commands flow, back to 4 three seconds after the
+20 looks a second while commands flow, back to 5 three seconds after the
 last one.  bench/command_latency_bench.py prints the requests per second.
 """
 
@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 INVALID_COMMAND: Final = "invalid_command"
 BACKOFF_MAX_S: Final = 30.0
-PROBES_PER_INTERVAL: Final = 4  # looks at the commands topic per poll_interval_s
+PROBES_PER_INTERVAL: Final = 5  # looks at the commands topic per poll_interval_s
 HOT_LOOKS_PER_INTERVAL: Final = 20  # ... while commands come in
 HOT_INTERVALS: Final = 3  # poll intervals after the last command that count as "coming in"
 FULL_ROUND_EVERY: Final = 20  # poll intervals between rounds that poll every partition
