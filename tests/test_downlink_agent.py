@@ -36,6 +36,7 @@ from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command
 from iggy_edge.uplink.memory import MemoryIggy
 
+from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, FreezableProxy, Received, downlink_settings
 from tests.support.iggy_server import IggyServer
@@ -66,6 +67,9 @@ class Running:
     async def start(self) -> Running:
         self.task = asyncio.create_task(self.agent.run(), name="agent-under-test")
         await asyncio.wait_for(self.agent.ready.wait(), 10)
+        # Device acks go through ingest: its subscriptions must be in place
+        # before a test publishes one (the return path can deliver before).
+        await wait_subscribed(self.agent)
         return self
 
     def metric(self, name: str, **labels: str) -> float:
