@@ -10,7 +10,12 @@ gmqtt subscriber standing in for the devices stamps its arrival.  Latency =
 arrival - the moment the send began (for a real server: before the
 IggyCommandSink request).  Only commands sent while the backlog was still
 draining count as "busy"; the same run continues after the drain for an
-"idle" figure of the same kind.
+"idle" figure of the same kind.  Then nothing is sent for a while (the
+return path's request rate per second when quiet is measured), and last
+`--cold-commands` single commands go out, each after COOL_S of silence: the
+"cold" figure, a command nobody saw coming (the return poll looks faster for
+a few seconds after a command, so the steady stream above is its best case
+and this its worst).
 
 Iggy: `MemoryIggy` in process, and a real `iggy-server` when it is on PATH
 (tests/support/iggy_server.py starts it); otherwise a "skipped" line.
@@ -55,9 +60,12 @@ from iggy_edge.uplink.memory import MemoryIggy
 from bench._common import Broker, emit, emit_machine, payload_60, skipped
 from bench._common import broker as make_broker
 from tests.support.iggy_server import IggyServer
+from tests.support.wait import async_wait_until
 
 BENCH = "command_latency"
 DEVICES = 10
+QUIET_S = 5.0
+COOL_S = 4.0  # > downlink/poll.py's HOT_INTERVALS x the default poll interval
 
 
 def _settings(state: Path, broker: Broker, poll_s: float, iggy: dict[str, Any]) -> Any:
@@ -97,7 +105,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_once(
-    workdir: Path, broker: Broker, records: int, poll_s: float, every_s: float, idle_commands: int, kind: str
+    workdir: Path,
+    broker: Broker,
+    records: int,
+    poll_s: float,
+    every_s: float,
+    idle_commands: int,
+    kind: str,
+    cold_commands: int,
 ) -> dict[str, Any]:
     server = None
     if kind == "server":
@@ -141,31 +156,63 @@ async def run_once(
     agent = Agent(settings, uplink=uplink, command_source=source, components=(return_path,))
     task = asyncio.create_task(agent.run())
     await agent.ready.wait()
+    # Measured from the return path's first poll on: its start (inbox, Iggy
+    # login, the partition check) is not what a command waits for later.
+    await async_wait_until(lambda: source.polls > 0, 30, interval=0.005, what="the return path's first poll")
     topic = commands_topic(settings)
     busy: list[str] = []
     idle: list[str] = []
     started = time.perf_counter()
+    drained_at = None
+    requests: dict[str, tuple[float, int, int]] = {}  # phase -> (seconds, polls, looks)
+
+    def load() -> tuple[float, int, int]:
+        return time.perf_counter(), source.polls, source.probes
+
+    def phase(name: str, since: tuple[float, int, int]) -> tuple[float, int, int]:
+        now = load()
+        requests[name] = (now[0] - since[0], now[1] - since[1], now[2] - since[2])
+        return now
+
+    async def send(i: int) -> str:
+        cmd = make_command(f"dev{i % DEVICES}", "bench", {"i": i})
+        sent_at[cmd.id] = time.perf_counter()
+        all_arrived.clear()  # set again by on_message once this one is in too
+        if sink is not None:
+            await sink.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
+        else:
+            memory.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
+        return cmd.id
+
+    mark = load()
     i = 0
+    cold: list[str] = []
     try:
         while True:
             assert agent.outbox is not None
             draining = agent.outbox.records > 0
+            if not draining and drained_at is None:
+                drained_at = mark = phase("busy", mark)
             if not draining and len(idle) >= idle_commands:
                 break
-            cmd = make_command(f"dev{i % DEVICES}", "bench", {"i": i})
-            i += 1
             t0 = time.perf_counter()
-            sent_at[cmd.id] = t0
-            all_arrived.clear()  # set again by on_message once this one is in too
-            if sink is not None:
-                await sink.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
-            else:
-                memory.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
-            (busy if draining else idle).append(cmd.id)
+            (busy if draining else idle).append(await send(i))
+            i += 1
             await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - t0)))
         drain_s = time.perf_counter() - started
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_arrived.wait(), 60)
+        mark = phase("after_drain", mark)
+        await asyncio.sleep(COOL_S)  # the return poll looks faster for a while after a command
+        mark = phase("cooling", mark)
+        await asyncio.sleep(QUIET_S)  # no command for a while: what an idle gateway costs
+        phase("quiet", mark)
+        for _ in range(cold_commands):  # one command at a time, each after COOL_S of silence
+            cold.append(await send(i))
+            i += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_arrived.wait(), 30)
+            await asyncio.sleep(COOL_S)
     finally:
         agent.stop()
         await asyncio.wait_for(task, 60)
@@ -179,11 +226,21 @@ async def run_once(
     def lat(ids: list[str]) -> list[float]:
         return sorted((arrived[c] - sent_at[c]) * 1000 for c in ids if c in arrived)
 
-    return {"busy": lat(busy), "idle": lat(idle), "lost": len(lost), "drain_s": drain_s}
+    rates = {k: round((p + q) / t, 1) for k, (t, p, q) in requests.items()}
+    detail = {k: {"s": round(t, 2), "polls": p, "looks": q} for k, (t, p, q) in requests.items()}
+    return {
+        "busy": lat(busy),
+        "idle": lat(idle),
+        "cold": lat(cold),
+        "lost": len(lost),
+        "drain_s": drain_s,
+        "requests_per_s": rates,
+        "requests": detail,
+    }
 
 
 def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> None:
-    for phase in ("busy", "idle"):
+    for phase in ("busy", "idle", "cold"):
         values = result[phase]
         if not values:
             skipped(BENCH, f"{phase}_latency", "no commands sent in this phase (drain too short?)")
@@ -198,6 +255,20 @@ def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> No
         }
         emit(BENCH, f"{phase}_latency_p50", round(pct(values, 50), 1), "ms", **extra)
         emit(BENCH, f"{phase}_latency_p99", round(pct(values, 99), 1), "ms", **extra)
+    # What the return path asks of Iggy per gateway: polls plus looks at a
+    # topic (one GET_TOPIC each), per second, in each phase: "busy" and
+    # "after_drain" while a command goes out every --every-ms, "cooling" the
+    # COOL_S after the last one, "quiet" the QUIET_S after that (the value).
+    emit(
+        BENCH,
+        "return_path_requests_per_s",
+        result["requests_per_s"].get("quiet"),
+        "requests/s",
+        iggy=kind,
+        poll_interval_s=poll_s,
+        by_phase=result["requests_per_s"],
+        counts=result["requests"],
+    )
 
 
 async def main() -> None:
@@ -205,6 +276,7 @@ async def main() -> None:
     ap.add_argument("--records", type=int, default=100_000, help="outbox backlog drained meanwhile")
     ap.add_argument("--every-ms", type=float, default=20.0, help="one command every this many ms")
     ap.add_argument("--idle-commands", type=int, default=100, help="commands sent after the drain")
+    ap.add_argument("--cold-commands", type=int, default=5, help="single commands after silence, at the end")
     ap.add_argument("--quick", action="store_true", help="10,000 records, default poll interval only")
     args = ap.parse_args()
     records = 10_000 if args.quick else args.records
@@ -222,8 +294,9 @@ async def main() -> None:
         for kind in kinds:
             for poll_s in polls:
                 work = Path(tmp) / f"{kind}-{poll_s}"
+                every_s = args.every_ms / 1000
                 result = await run_once(
-                    work, broker, records, poll_s, args.every_ms / 1000, args.idle_commands, kind
+                    work, broker, records, poll_s, every_s, args.idle_commands, kind, args.cold_commands
                 )
                 report(kind, poll_s, records, result)
 

@@ -11,6 +11,12 @@ SIGTERM.
 Reference, same run: the same agent with an empty buffer under the same
 stream -- so the figure shows what the backlog itself costs.
 
+Also printed (issue 14, a lean agent process): ``import_rss`` -- a fresh
+interpreter after importing what `iggy-edge run` imports (the CLI's main
+module and cli/run.py), and ``idle_rss`` -- the agent 2 s after its start
+with an empty buffer, connected, before the stream begins (and with the
+backlog, ``idle_rss_backlog``).
+
     .venv/bin/python bench/memory_bench.py [--quick] [--records N] [--rate R] [--seconds S]
 """
 
@@ -35,7 +41,17 @@ from _common import broker as make_broker
 from drain_bench import fill
 
 BENCH = "memory"
-TARGET_MB = 80
+TARGET_MB = 50  # issue 14 (was 80)
+IDLE_TARGET_MB = 40
+
+PRINT_RSS = "import re\nprint(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
+RUN_IMPORTS = "import iggy_edge.cli.main, iggy_edge.cli.run\n"  # what `iggy-edge run` imports
+
+
+def rss_after_kb(code: str) -> int:
+    """VmRSS of a fresh interpreter after running `code`."""
+    out = subprocess.run([PYTHON, "-c", code + PRINT_RSS], check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
 
 
 def iggy_edge_cmd() -> list[str]:
@@ -141,6 +157,15 @@ def main() -> None:
     a = ap.parse_args()
     records, rate, seconds = (2000, 200.0, 1.0) if a.quick else (a.records, a.rate, a.seconds)
     emit_machine(BENCH)
+    emit(
+        BENCH,
+        "import_rss",
+        round(rss_after_kb(RUN_IMPORTS) / 1024, 1),
+        "MB",
+        reference=round(rss_after_kb("") / 1024, 1),
+        reference_name="bare interpreter",
+        cmd="python -c 'import iggy_edge.cli.main, iggy_edge.cli.run'",
+    )
     with tempfile.TemporaryDirectory(prefix="iggy-edge-mem-") as tmp:
         agent = one_agent(Path(tmp) / "backlog", records, rate, seconds)
         ref = one_agent(Path(tmp) / "empty", 0, rate, seconds)
@@ -159,6 +184,24 @@ def main() -> None:
         sent=agent["sent"],
         buffered_after=agent["buffered"],
         agent_exit=agent["exit"],
+        cmd="iggy-edge run (uplink none)",
+    )
+    emit(
+        BENCH,
+        "idle_rss",
+        round(ref["rss_start_mb"], 1),
+        "MB",
+        target=IDLE_TARGET_MB,
+        note="empty buffer, 2 s after start, before the stream",
+        cmd="iggy-edge run (uplink none)",
+    )
+    emit(
+        BENCH,
+        "idle_rss_backlog",
+        round(agent["rss_start_mb"], 1),
+        "MB",
+        backlog_records=records,
+        note="as idle_rss, with the backlog in the buffer",
         cmd="iggy-edge run (uplink none)",
     )
 

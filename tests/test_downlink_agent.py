@@ -36,6 +36,7 @@ from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command
 from iggy_edge.uplink.memory import MemoryIggy
 
+from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, FreezableProxy, Received, downlink_settings
 from tests.support.iggy_server import IggyServer
@@ -140,6 +141,9 @@ async def test_command_reaches_the_device_is_acked_and_the_offset_is_mirrored(
         await async_wait_until(lambda: dev.ids() == [cmd.id], what="device got the command")
         await async_wait_until(lambda: states(settings)[cmd.id] == "delivered", what="delivered")
         # The device acknowledges on up/ack, like device/iggy_device does.
+        # Device acks go through ingest: its subscriptions must be in place
+        # (the return path can deliver before ingest has subscribed).
+        await wait_subscribed(r.agent)
         await publish(broker, "edge/dev-1/up/ack", json.dumps({"id": cmd.id, "status": "ok"}).encode())
         await async_wait_until(lambda: states(settings)[cmd.id] == "acked", what="acked")
         # ... and the ack travels uplink like telemetry, for the cloud side.
@@ -163,6 +167,7 @@ async def test_device_error_ack_marks_the_command_failed(tmp_path: Path, broker:
         send(iggy, settings, cmd)
         await async_wait_until(lambda: dev.ids() == [cmd.id], what="device got it")
         ack = {"id": cmd.id, "status": "unknown_command", "error": "nope"}
+        await wait_subscribed(r.agent)  # as above
         await publish(broker, "edge/dev-1/up/ack", json.dumps(ack).encode())
         await async_wait_until(lambda: states(settings)[cmd.id] == "failed", what="failed by device ack")
         row = next(x for x in read_commands(settings.buffer_path) if x.id == cmd.id)

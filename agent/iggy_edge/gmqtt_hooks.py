@@ -265,7 +265,6 @@ def install_connection_hooks(client: gmqtt.Client, throttle: Callable[[], Awaita
 
     def put_package(pkg: Any) -> None:
         if pkg.cmd & 0xF0 == PUBLISH and handler.current_connection is conn:
-            conn._last_data_in = time.monotonic()  # noqa: SLF001 - gmqtt's keepalive reads it (checked)
             on_publish(pkg.cmd, pkg.data)  # guarded inside
         else:
             usual(pkg)
@@ -275,6 +274,8 @@ def install_connection_hooks(client: gmqtt.Client, throttle: Callable[[], Awaita
         if wait is not None:
             await wait
         data: bytes = await original_read(n)
+        # gmqtt's keepalive reads it (checked); once per read, not per packet
+        conn._last_data_in = time.monotonic()  # noqa: SLF001
         return data
 
     conn.put_package = put_package

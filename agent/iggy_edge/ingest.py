@@ -82,7 +82,8 @@ QOS0_PENDING_LIMIT: Final = 20_000
 # Not reading lets TCP flow control hold the backlog in the broker instead.
 READ_PAUSE_AT: Final = 10_000
 # ... and while this many payload bytes wait (bench/flood_bench.py: a 256 KiB
-# flood's peak RSS follows this bound plus the SQLite statement copies).
+# flood's peak RSS follows this bound plus the payloads the cached SQLite
+# statements keep bound, see store/commit.py `_insert_rows`).
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 QOS0_PENDING_BYTES: Final = 2 * READ_PAUSE_BYTES
 SESSION_META_KEY: Final = "mqtt_session_client_id"
@@ -449,8 +450,9 @@ class Ingest:
             self._ack_after(done, (None, 0, 0, topic, payload))
 
     def _ack_after(self, done: asyncio.Future[Any], ack: _Ack) -> None:
+        if not self._handlers:
+            self._idle.clear()
         self._handlers += 1
-        self._idle.clear()
         if done is self._ack_future and not done.done():
             self._ack_list.append(ack)
             return

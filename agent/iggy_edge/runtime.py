@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass
 
 from .backoff import backoff_delay
 from .config import Settings
-from .downlink import return_path
 from .forward import Forwarder
 from .httpd import http_endpoint
 from .ingest import Ingest
@@ -77,6 +76,18 @@ class Health:
 # systemd notification): each is called with the running Agent and returns a
 # coroutine that runs until cancelled.
 Component = Callable[["Agent"], Awaitable[None]]
+
+
+async def return_path(agent: Agent) -> None:
+    """The return path (downlink/), imported only when there is a command
+    source to read: an agent without one does not carry its modules."""
+    if agent.command_source is None:
+        log.info("return path off: no command source (iggy kind %r)", agent.settings.iggy.kind)
+        return
+    from .downlink import return_path as run  # noqa: PLC0415 - see the docstring
+
+    await run(agent)
+
 
 # What build_agent runs beside the stages; each returns at once when its
 # settings turn it off (metrics.enabled, no $NOTIFY_SOCKET, no command source).

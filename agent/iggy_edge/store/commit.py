@@ -16,6 +16,7 @@ from typing import Any
 
 from ..records import Route
 from ..timeouts import wait_for
+from .base import recent_key
 from .bounds import Bounds
 from .db import StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
@@ -158,11 +159,11 @@ class GroupCommit(DeadLetters, Bounds):
         """Write one group (lock held): bounds first, then one transaction."""
         rows = []
         add_bytes = 0
+        route_ids = self._route_ids
         for it in items:
-            if (it.route.stream, it.route.topic) not in self._route_ids:
-                await self._route_id(it.route)
-        for it in items:
-            rid = self._route_ids[(it.route.stream, it.route.topic)]
+            rid = route_ids.get((it.route.stream, it.route.topic))
+            if rid is None:
+                rid = await self._route_id(it.route)
             rows.append(
                 (
                     rid,
@@ -197,7 +198,7 @@ class GroupCommit(DeadLetters, Bounds):
                 if recent:
                     await self._remember(recent, len(rows))
         for topic, dseq, crc, _ in recent:
-            self._recent[(topic, dseq, crc)] = None
+            self._recent[recent_key(topic, dseq, crc)] = None
         while len(self._recent) > RECENT_WINDOW:
             self._recent.popitem(last=False)
         self.records += len(rows) - freed_records
@@ -235,6 +236,15 @@ class GroupCommit(DeadLetters, Bounds):
                 _values_sql(head, ncols, n),
                 [tuple(chain.from_iterable(rows[i * n : (i + 1) * n])) for i in range(full)],
             )
-        if len(rows) > full * n:
-            rest = rows[full * n :]
-            await self._conn.execute(_values_sql(head, ncols, len(rest)), tuple(chain.from_iterable(rest)))
+        # The rest in statements of power-of-two sizes, in order: at most 7
+        # shapes instead of 127.  The sqlite3 module caches each shape's
+        # compiled statement (about 55 KB at this width: 7 MB for 127) and
+        # every cached statement keeps its last bound payloads until it is
+        # used again (after a flood of 256 KiB payloads that was tens of MB).
+        pos, size = full * n, n
+        while pos < len(rows):
+            while size > len(rows) - pos:
+                size //= 2
+            chunk = rows[pos : pos + size]
+            await self._conn.execute(_values_sql(head, ncols, size), tuple(chain.from_iterable(chunk)))
+            pos += size

@@ -16,6 +16,7 @@ import aiosqlite
 from ..config import BufferSettings
 from ..metrics import Metrics
 from ..timeouts import wait_for
+from .base import recent_key
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
@@ -119,13 +120,23 @@ class Outbox(GroupCommit, ReadConfirm):
         assert row is not None
         self.records = int(row[0])
         self.bytes = int(row[1]) + ROW_OVERHEAD * self.records
-        recent = await self._db.fetchall(
-            "SELECT mqtt_topic, device_seq, crc FROM ingest_recent ORDER BY seq DESC LIMIT ?",
-            (RECENT_WINDOW,),
-        )
-        for topic, dseq, crc in reversed(recent):
-            self._recent[(topic, dseq, crc)] = None
-        self._recent_count = len(recent)
+        # In chunks, oldest first: a list of the whole window's rows (3.8 MB at
+        # 20k) on top of the window itself raised the RSS of an agent
+        # restarted with a backlog for the rest of its life.
+        n = 0
+        async with (
+            self._db.lock,
+            self._conn.execute(
+                "SELECT mqtt_topic, device_seq, crc FROM (SELECT seq, mqtt_topic, device_seq, crc"
+                " FROM ingest_recent ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                (RECENT_WINDOW,),
+            ) as cur,
+        ):
+            while rows := await cur.fetchmany(1000):
+                for topic, dseq, crc in rows:
+                    self._recent[recent_key(topic, dseq, crc)] = None
+                    n += 1
+        self._recent_count = n
         self.recovery = await self._recovery_events()
         self._update_gauges()
         if self.records:
@@ -184,7 +195,7 @@ class Outbox(GroupCommit, ReadConfirm):
     def seen(self, mqtt_topic: str, device_seq: int, crc: int) -> bool:
         """Was a record with this topic, device sequence and payload CRC
         committed recently?  (Used for broker redeliveries only.)"""
-        return (mqtt_topic, device_seq, crc) in self._recent
+        return recent_key(mqtt_topic, device_seq, crc) in self._recent
 
     def fail(self, err: StoreError) -> None:
         """Refuse further submissions (used when the disk is gone)."""

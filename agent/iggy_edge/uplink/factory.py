@@ -13,14 +13,15 @@ kind       uplink                                  command source
 everything in this process's memory and loses it at exit.  Both views share
 `shared_memory_iggy()`, so a test or the demo can publish commands to the
 agent and inspect what it forwarded.
+
+Each kind's module is imported only when that kind is chosen: the Iggy SDK
+(a native library, about 6.5 MB resident) stays out of an agent that does
+not use it, and the in-memory Iggy out of every real agent.
 """
 
 from __future__ import annotations
 
 from ..config import Settings
-from .file import FileUplink
-from .iggy import IggyCommandSource, IggyUplink
-from .memory import shared_memory_iggy
 from .protocol import CommandSource, Uplink
 
 
@@ -32,13 +33,19 @@ def consumer_name(settings: Settings) -> str:
 def make_uplink(settings: Settings) -> Uplink | None:
     iggy = settings.iggy
     if iggy.kind == "iggy":
+        from .iggy import IggyUplink  # noqa: PLC0415 - only the chosen kind (docstring)
+
         topics = [(r.stream, r.topic) for r in settings.routes]
         return IggyUplink(iggy, settings.gateway_id, topics=topics)
     if iggy.kind == "file":
         if iggy.file_path is None:  # config validation requires it; keep mypy honest
             raise ValueError("iggy.file_path is required when kind = 'file'")
+        from .file import FileUplink  # noqa: PLC0415 - only the chosen kind (docstring)
+
         return FileUplink(iggy.file_path, partitions=iggy.partitions)
     if iggy.kind == "memory":
+        from .memory import shared_memory_iggy  # noqa: PLC0415 - only the chosen kind (docstring)
+
         return shared_memory_iggy().uplink()
     return None
 
@@ -48,7 +55,11 @@ def make_command_source(settings: Settings) -> CommandSource | None:
     if not settings.downlink.enabled:
         return None
     if iggy.kind == "iggy":
+        from .iggy import IggyCommandSource  # noqa: PLC0415 - only the chosen kind (docstring)
+
         return IggyCommandSource(iggy, settings.gateway_id, consumer_name(settings))
     if iggy.kind == "memory":
+        from .memory import shared_memory_iggy  # noqa: PLC0415 - only the chosen kind (docstring)
+
         return shared_memory_iggy().command_source(consumer_name(settings))
     return None

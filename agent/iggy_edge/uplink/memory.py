@@ -274,6 +274,8 @@ class MemoryCommandSource:
     def __init__(self, iggy: MemoryIggy, consumer_name: str) -> None:
         self.iggy = iggy
         self.consumer_name = consumer_name
+        self.polls = 0  # requests, for the return path's load (bench/command_latency_bench.py)
+        self.probes = 0
 
     async def start(self) -> None:
         self.iggy._check_down("start")
@@ -285,6 +287,7 @@ class MemoryCommandSource:
         if iggy.latency_s:
             await asyncio.sleep(iggy.latency_s)
         iggy._check_down("poll")
+        self.polls += 1
         fault = iggy._take_fault()
         if fault is not None:
             iggy.failed_requests += 1
@@ -294,6 +297,15 @@ class MemoryCommandSource:
         if not 0 <= partition_id < len(parts):
             raise UplinkRejected(f"memory iggy: partition {partition_id} of {stream}/{topic} was not found")
         return iggy._read(parts[partition_id], offset, count)
+
+    async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
+        iggy = self.iggy
+        if iggy.latency_s:
+            await asyncio.sleep(iggy.latency_s)
+        iggy._check_down("last offsets")
+        self.probes += 1
+        parts = iggy.topics.get((stream, topic))
+        return None if parts is None else {i: len(p) - 1 for i, p in enumerate(parts)}
 
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
         self.iggy._check_down("mirror offset")

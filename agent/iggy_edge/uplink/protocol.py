@@ -81,6 +81,12 @@ class CommandSource(Protocol):
     ) -> list[PolledMessage]:
         """Messages at `offset` and after (at most `count`), in offset order."""
 
+    async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
+        """Per partition id, the offset of its newest message (-1 when it has
+        none), all partitions in one request; None when the topic is not
+        there (polling it says why).  The return poll asks this between
+        polls so that it polls only partitions with something new."""
+
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
         """Tell the server the agent's consumer has consumed up to and
         including `offset` (so the cloud side can see progress).  SQLite stays

@@ -13,7 +13,7 @@ from ..protocol import PolledMessage, UplinkRejected
 from .connection import ClientFactory, Connection
 from .errors import is_not_found
 from .offsets import get_consumer_offset, store_consumer_offset
-from .topics import Topics
+from .topics import Topics, get_topic
 
 
 def _headers_of(message: ReceiveMessage) -> dict[str, str]:
@@ -52,6 +52,8 @@ class IggyCommandSource:
         self.consumer_name = consumer_name
         self._conn = Connection(settings, "command source", client_factory)
         self._topics = Topics(self._conn)
+        self.polls = 0  # requests, for the return path's load (bench/command_latency_bench.py)
+        self.probes = 0
 
     async def start(self) -> None:
         await self._conn.client()
@@ -61,6 +63,7 @@ class IggyCommandSource:
     ) -> list[PolledMessage]:
         client = await self._conn.client()
         await self._topics.partitions(stream, topic)
+        self.polls += 1
         try:
             messages = await self._conn.call(
                 f"poll {stream}/{topic}/{partition_id} at {offset}",
@@ -88,6 +91,17 @@ class IggyCommandSource:
             )
             for m in messages
         ]
+
+    async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
+        """From GET_TOPIC: its partitions' ``current_offset`` is the newest
+        message's offset (0 also when the partition is empty, so
+        ``messages_count`` tells the two apart)."""
+        client = await self._conn.client()
+        self.probes += 1
+        details = await get_topic(self._conn, client, stream, topic)
+        if details is None:
+            return None
+        return {p.id: p.current_offset if p.messages_count else -1 for p in details.partitions}
 
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
         await store_consumer_offset(self._conn, self.consumer_name, stream, topic, partition_id, offset)
