@@ -158,21 +158,25 @@ class Forwarder:
         run = self._run = _Run()
         deleter = asyncio.create_task(self._delete_loop(run), name="forward-delete")
         try:
-            await self._read_loop(run)
-        finally:
-            run.close()
             try:
-                await asyncio.gather(*run.lane_tasks)
-                run.lanes_done = True
-                run.confirmed_wake.set()
-                await deleter
-            except BaseException:
-                for t in (*run.lane_tasks, deleter):
-                    t.cancel()
-                await asyncio.gather(*run.lane_tasks, deleter, return_exceptions=True)
-                raise
+                await self._read_loop(run)
             finally:
-                self._run = None
+                run.close()
+            # stop() or a failure: the requests in flight finish (each is
+            # bounded by the uplink), then what they confirmed is deleted.
+            await asyncio.gather(*run.lane_tasks)
+            run.lanes_done = True
+            run.confirmed_wake.set()
+            await deleter
+        except BaseException:
+            # Cancelled (the shutdown's bound ran out) or a store error:
+            # nothing more is sent or deleted; the rest stays in the outbox.
+            for t in (*run.lane_tasks, deleter):
+                t.cancel()
+            await asyncio.gather(*run.lane_tasks, deleter, return_exceptions=True)
+            raise
+        finally:
+            self._run = None
         return run.failure
 
     async def _read_loop(self, run: _Run) -> None:
