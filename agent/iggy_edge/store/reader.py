@@ -21,6 +21,7 @@ from .base import OutboxBase
 from .schema import ROW_OVERHEAD
 
 _QOS: Final = ("0", "1", "2", "3")
+SOURCES_KEPT: Final = 10_000  # sources cached before an empty outbox forgets them
 
 
 def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
@@ -70,7 +71,7 @@ class ReadConfirm(OutboxBase):
         limits (at least one when any waits)."""
         self._data_available.clear()  # before the read: a commit from now on sets it again
         rows = await self._db.fetchall(  # one round trip to the SQLite thread
-            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
+            "SELECT seq, source_id, flags, received_us, device_seq, payload"
             " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
             (after, max_records),
         )
@@ -79,13 +80,13 @@ class ReadConfirm(OutboxBase):
         total = 0
         high = (self._gateway_hash << 96) | (self._epoch << 64)
         gw = self._gateway_id
-        names = self._route_names
+        names = self._source_names
         qos = _QOS
-        for seq, rid, pkey, topic, flags, recv, dseq, payload in rows:
+        for seq, sid, flags, recv, dseq, payload in rows:
             total += len(payload)
             if total > max_bytes and out:
                 break
-            stream, itopic = names[rid]
+            stream, itopic, pkey, topic = names[sid]
             # One dict display per record (no per-key stores); the strings
             # of qos and retain are shared.
             if dseq is None:
@@ -145,8 +146,22 @@ class ReadConfirm(OutboxBase):
                 freed = freed * deleted // len(gone)
             self.records -= deleted
             self.bytes -= freed
+        if self.records == 0 and len(self._source_ids) > SOURCES_KEPT:
+            await self._forget_sources()
         self._update_gauges()
         return deleted
+
+    async def _forget_sources(self) -> None:
+        """Sources no row refers to any more (the outbox just emptied), so a
+        stream of ever new MQTT topics cannot grow the table and its cache
+        without bound (lock held)."""
+        await self._conn.execute(
+            "DELETE FROM sources WHERE NOT EXISTS (SELECT 1 FROM outbox WHERE source_id = sources.id)"
+        )
+        kept = await self._conn.execute_fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
+        self._source_ids.clear()
+        self._source_names.clear()
+        self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in kept})
 
     async def oldest_received_us(self) -> int | None:
         rows = await self._db.fetchall("SELECT received_us FROM outbox ORDER BY seq LIMIT 1")
