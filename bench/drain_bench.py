@@ -127,8 +127,7 @@ def reference(path: Path, records: int, batch: int) -> float:
     done = 0
     while True:
         rows = conn.execute(
-            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-            " FROM outbox ORDER BY seq LIMIT ?",
+            "SELECT seq, source_id, flags, received_us, device_seq, payload FROM outbox ORDER BY seq LIMIT ?",
             (batch,),
         ).fetchall()
         if not rows:

@@ -174,6 +174,7 @@ class Forwarder:
             for t in (*run.lane_tasks, deleter):
                 t.cancel()
             await asyncio.gather(*run.lane_tasks, deleter, return_exceptions=True)
+            self._undeleted.update([r.seq for r in run.confirmed])  # confirmed, never deleted
             raise
         finally:
             self._run = None
@@ -265,8 +266,8 @@ class Forwarder:
             self._confirmed(run, records)
 
     def _confirmed(self, run: _Run, records: list[OutboundRecord]) -> None:
-        """Iggy confirmed `records`: hand them to the delete loop."""
-        self._undeleted.update([r.seq for r in records])
+        """Iggy confirmed `records`: hand them to the delete loop (what it
+        could not delete goes to `_undeleted` when it fails)."""
         run.confirmed.extend(records)
         run.confirmed_wake.set()
 
@@ -285,9 +286,11 @@ class Forwarder:
             try:
                 deleted = await self._outbox.confirm(records)
             except BaseException:
+                self._undeleted.update([r.seq for r in records])
                 run.close()
                 raise
-            self._undeleted.difference_update([r.seq for r in records])
+            if self._undeleted:  # re-sent after a failed delete: now gone
+                self._undeleted.difference_update([r.seq for r in records])
             self._metrics.forwarded.inc(deleted)
             run.in_flight -= len(records)
             run.in_flight_bytes -= sum([len(r.payload) for r in records])

@@ -71,7 +71,9 @@ class ReadConfirm(OutboxBase):
         limits (at least one when any waits)."""
         self._data_available.clear()  # before the read: a commit from now on sets it again
         rows = await self._db.fetchall(  # one round trip to the SQLite thread
-            "SELECT seq, source_id, flags, received_us, device_seq, payload"
+            # The header strings come from SQLite (its thread, beside the
+            # event loop's) rather than str() per record here.
+            "SELECT seq, source_id, flags, CAST(received_us AS TEXT), CAST(device_seq AS TEXT), payload"
             " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
             (after, max_records),
         )
@@ -95,7 +97,7 @@ class ReadConfirm(OutboxBase):
                     HEADER_QOS: qos[flags & 3],
                     HEADER_RETAIN: "1" if flags & 4 else "0",
                     HEADER_GATEWAY: gw,
-                    HEADER_RECEIVED_US: str(recv),
+                    HEADER_RECEIVED_US: recv,
                 }
             else:
                 headers = {
@@ -103,8 +105,8 @@ class ReadConfirm(OutboxBase):
                     HEADER_QOS: qos[flags & 3],
                     HEADER_RETAIN: "1" if flags & 4 else "0",
                     HEADER_GATEWAY: gw,
-                    HEADER_RECEIVED_US: str(recv),
-                    HEADER_DEVICE_SEQ: str(dseq),
+                    HEADER_RECEIVED_US: recv,
+                    HEADER_DEVICE_SEQ: dseq,
                 }
             append(OutboundRecord(seq, high | seq, stream, itopic, pkey, payload, headers))
         return out

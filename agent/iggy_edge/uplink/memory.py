@@ -267,14 +267,10 @@ class MemoryUplink:
         """`LanedUplink.lanes`: one lane per (stream, topic, partition)."""
         iggy = self.iggy
         iggy._check_down("send")
-        out: list[tuple[Lane, list[OutboundRecord]]] = []
-        for (stream, topic), records in by_topic(batch).items():
-            parts = iggy._topic(stream, topic)
-            out.extend(
-                ((stream, topic, p), group)
-                for p, group in iggy._partitioner.split(stream, topic, len(parts), records)
-            )
-        return out
+        return await iggy._partitioner.lanes(batch, self._partitions)
+
+    async def _partitions(self, stream: str, topic: str) -> int:
+        return len(self.iggy._topic(stream, topic))
 
     async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
         """`LanedUplink.send_lane`: one request (faults and latency apply)."""

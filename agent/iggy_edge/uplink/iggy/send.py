@@ -87,14 +87,10 @@ class IggyUplink:
                 confirmed.extend(r.seq for r in group)
 
     async def lanes(self, batch: Sequence[OutboundRecord]) -> list[tuple[Lane, list[OutboundRecord]]]:
-        out: list[tuple[Lane, list[OutboundRecord]]] = []
-        for (stream, topic), records in by_topic(batch).items():
-            count = await self._topics.partitions(stream, topic)
-            out.extend(
-                ((stream, topic, p), group)
-                for p, group in self._partitioner.split(stream, topic, count, records)
-            )
-        return out
+        return await self._partitioner.lanes(batch, self._partitions)
+
+    async def _partitions(self, stream: str, topic: str) -> int:
+        return await self._topics.partitions(stream, topic)
 
     async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
         stream, topic, partition = lane
