@@ -1,9 +1,10 @@
 """Interfaces at the Iggy boundary.
 
-Two directions, two connections (Iggy handles one request at a time per
-connection):
+Two directions on separate connections (Iggy handles one request at a time
+per connection):
 
-* `Uplink` carries outbox batches to Iggy.
+* `Uplink` carries outbox batches to Iggy; a `LanedUplink` sends to several
+  partitions side by side, one connection per lane (issue 14).
 * `CommandSource` polls the command/config topics for the return path and
   mirrors the agent's read offsets to the server.
 
