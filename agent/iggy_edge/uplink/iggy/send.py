@@ -20,7 +20,7 @@ from apache_iggy import SendMessage
 from ...config import IggySettings
 from ...records import OutboundRecord
 from ..partition import KeyPartitioner, by_topic, record_problem, wire_headers
-from ..protocol import Lane, UplinkRejected, UplinkUnavailable
+from ..protocol import Lane, UplinkError, UplinkRejected, UplinkUnavailable
 from .connection import ClientFactory, Connection
 from .errors import is_not_found
 from .topics import Topics
@@ -67,6 +67,7 @@ class IggyUplink:
         self._factory = client_factory
         self._lane_conns: dict[Lane, _LaneConnection] = {}
         self._pool: list[_LaneConnection] = []
+        self._probe_from: Connection | None = None  # the lane connection that failed last
 
     async def start(self) -> None:
         """Connect and log in (within connect_timeout_s) and make sure the
@@ -96,7 +97,14 @@ class IggyUplink:
         stream, topic, partition = lane
         lc = self._lane_connection(lane)
         async with lc.lock:
-            await self._send_group(lc.conn, stream, topic, partition, list(records), frozenset())
+            try:
+                await self._send_group(lc.conn, stream, topic, partition, list(records), frozenset())
+            except UplinkError:
+                # The recovery probe looks from where this connection goes
+                # next (the node after the one that stopped answering), as
+                # with one connection; see `reachable`.
+                self._probe_from = lc.conn
+                raise
 
     def _lane_connection(self, lane: Lane) -> _LaneConnection:
         lc = self._lane_conns.get(lane)
@@ -146,8 +154,11 @@ class IggyUplink:
     async def reachable(self, timeout: float) -> bool:
         """Whether some node accepts a TCP connection now (the forwarder's
         recovery probe); the next connect starts at the first such node."""
-        node = await self._conn.reachable(timeout)
+        node = await (self._probe_from or self._conn).reachable(timeout)
         if node is not None:
+            # Every lane starts its next connect there: a lane left on a node
+            # that accepts connections but does not answer would otherwise
+            # be sent back to it by each probe.
             for conn in (self._conn, *(lc.conn for lc in self._pool)):
                 conn.prefer(node)
         return node is not None
