@@ -80,6 +80,7 @@ def main() -> None:
         "bytes_per_record",
         round(total / records, 1),
         "bytes/record",
+        target=len(payload_60(0, 1)) + 40,
         reference=round(ref / records, 1),
         reference_name="minimal SQLite table (id, payload) of the same payloads",
         payload_bytes=len(payload_60(0, 1)),

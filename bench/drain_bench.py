@@ -1,25 +1,30 @@
 """Drain: a backlog of 1,000,000 outbox records sent to the uplink.
 
 The backlog is filled through `Outbox.submit` (the ingest side of the store,
-without MQTT: 10 devices, 60-byte JSON payloads with a device ``"seq"``),
+without MQTT: 100 devices, 60-byte JSON payloads with a device ``"seq"``),
 checkpointed, and copied for every run so each run starts from the same file.
 Then the real `Forwarder` (default `[forward]` settings) drains it:
 
 * to `MemoryIggy` (``keep_payloads=False``: it keeps ids and keys only) --
-  the agent's own cost of read -> build records -> send -> confirm/delete;
+  the agent's own cost of read -> build records -> send -> confirm/delete.
+  Reference, in the same run on a copy of the same file: plain `sqlite3` (no
+  aiosqlite, no record objects, no uplink) reading the same batches in seq
+  order and deleting each after reading -- the floor the storage sets.
 * to a real Iggy server when ``iggy-server`` is on PATH (started on a free
-  port by tests/support/iggy_server.py); otherwise a "skipped" line says why.
+  port by tests/support/iggy_server.py, one shard, a fresh server per run;
+  the agent creates the topic as it does in production: fsync per request),
+  with topics of 1, 3 and 12 partitions (``--partitions``).  Reference, same
+  run, same server build, same file: the forwarder as it was before issue 14
+  (``sequential_drain``: read the oldest batch, send its partitions one after
+  the other over one connection, delete it, repeat -- one request in flight).
+  Without the server a "skipped" line says why.
 
 The uplink's own share is measured apart (``memory_uplink_send_rate``):
 `MemoryUplink.send` alone, the records already built, 1,000-record batches
 over 500 keys (target 500,000 records/s, so that it stays a small part of a
 drain at the 100,000/s target; this was a timed test before).
 
-Reference, in the same run on a copy of the same file: plain `sqlite3` (no
-aiosqlite, no record objects, no uplink) reading the same batches in seq
-order and deleting each after reading -- the floor the storage sets.
-
-    .venv/bin/python bench/drain_bench.py [--quick] [--records N] [--repeat R]
+    .venv/bin/python bench/drain_bench.py [--quick] [--records N] [--repeat R] [--partitions 1,3,12]
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ from iggy_edge.uplink.memory import MemoryIggy
 from tests.support.iggy_server import IggyServer
 
 BENCH = "drain"
-DEVICES = 10
+DEVICES = 10  # disk_bench's fill
+DRAIN_DEVICES = 100  # enough keys to reach each of 12 partitions
 
 
 def _settings(state: Path, **iggy: Any) -> Any:
@@ -66,20 +72,21 @@ def _settings(state: Path, **iggy: Any) -> Any:
     )
 
 
-async def fill(path: Path, records: int) -> float:
-    """Fill a fresh outbox with `records` records; returns records/s."""
+async def fill(path: Path, records: int, devices: int = DEVICES) -> float:
+    """Fill a fresh outbox with `records` records of `devices` devices
+    (round robin); returns records/s."""
     settings = _settings(path.parent)
     box = await Outbox.open(path, settings.buffer, settings.gateway_id, Metrics())
     box.start()
-    routes = [Route("edge", "telemetry", f"dev{d}") for d in range(DEVICES)]
-    topics = [f"edge/dev{d}/up/env" for d in range(DEVICES)]
+    routes = [Route("edge", "telemetry", f"dev{d}") for d in range(devices)]
+    topics = [f"edge/dev{d}/up/env" for d in range(devices)]
     started = time.perf_counter()
     chunk = 20_000
     now_us = time.time_ns() // 1000
     for lo in range(0, records, chunk):
         done = None
         for i in range(lo, min(records, lo + chunk)):
-            d, seq = i % DEVICES, i // DEVICES + 1
+            d, seq = i % devices, i // devices + 1
             done = box.submit(Incoming(routes[d], topics[d], 1, False, now_us, payload_60(d, seq), seq))
         assert done is not None
         await done
@@ -88,7 +95,7 @@ async def fill(path: Path, records: int) -> float:
     return rate
 
 
-async def drain(path: Path, records: int, uplink: Any, settings: Any) -> float:
+async def drain(path: Path, records: int, uplink: Any, settings: Any, *, close_uplink: bool = False) -> float:
     """The Forwarder drains the outbox at `path` into `uplink`; seconds."""
     metrics = Metrics()
     box = await Outbox.open(path, settings.buffer, settings.gateway_id, metrics)
@@ -102,6 +109,8 @@ async def drain(path: Path, records: int, uplink: Any, settings: Any) -> float:
     seconds = time.perf_counter() - started
     forwarder.stop()
     await task
+    if close_uplink:
+        await uplink.close()
     await box.close()
     sent = metrics.value("iggy_edge_forward_records_total")
     if sent != records:
@@ -118,8 +127,7 @@ def reference(path: Path, records: int, batch: int) -> float:
     done = 0
     while True:
         rows = conn.execute(
-            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-            " FROM outbox ORDER BY seq LIMIT ?",
+            "SELECT seq, source_id, flags, received_us, device_seq, payload FROM outbox ORDER BY seq LIMIT ?",
             (batch,),
         ).fetchall()
         if not rows:
@@ -179,34 +187,85 @@ def copy_db(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_iggy(src: Path, workdir: Path, records: int) -> None:
-    if shutil.which("iggy-server") is None:
-        skipped(BENCH, "iggy_rate", "iggy-server not on PATH (see tests/support/iggy_server.py to build it)")
-        return
+async def sequential_drain(path: Path, records: int, uplink: IggyUplink, settings: Any) -> float:
+    """The reference: the forwarder's loop before issue 14 -- read the oldest
+    batch, `send` it (its partitions one after the other, one connection),
+    delete it, repeat.  Seconds (uplink start included, as in `drain`)."""
+    box = await Outbox.open(path, settings.buffer, settings.gateway_id, Metrics())
+    box.start()
+    assert box.records == records, (box.records, records)
+    s = settings.forward
+    started = time.perf_counter()
+    try:
+        await uplink.start()
+        sent = 0
+        while box.records > 0:
+            batch = await box.read_batch(s.batch_records, s.batch_bytes)
+            await uplink.send(batch)
+            sent += await box.confirm(batch)
+        seconds = time.perf_counter() - started
+    finally:
+        await uplink.close()
+        await box.close()
+    if sent != records:
+        raise RuntimeError(f"reference forwarded {sent} of {records}")
+    return seconds
+
+
+def _iggy_once(src: Path, workdir: Path, records: int, partitions: int, *, pipelined: bool) -> float:
+    """One drain of a copy of `src` into a fresh iggy-server; records/s."""
+    shutil.rmtree(workdir, ignore_errors=True)
     server = IggyServer(workdir / "iggy").start()
     try:
-        path = copy_db(src, workdir / "iggy-run" / "buffer.db")
+        path = copy_db(src, workdir / "agent" / "buffer.db")
         settings = _settings(
             path.parent,
             kind="iggy",
             address=server.address,
             username=server.username,
             password=server.password,
+            partitions=partitions,
         )
         uplink = IggyUplink(settings.iggy, settings.gateway_id, topics=[("edge", "telemetry")])
-        seconds = asyncio.run(drain(path, records, uplink, settings))
+        if pipelined:
+            seconds = asyncio.run(drain(path, records, uplink, settings, close_uplink=True))
+        else:
+            seconds = asyncio.run(sequential_drain(path, records, uplink, settings))
     finally:
         server.stop()
-    emit(
-        BENCH,
-        "iggy_rate",
-        round(records / seconds),
-        "records/s",
-        seconds=round(seconds, 2),
-        records=records,
-        uplink="real iggy-server on loopback (1 shard)",
-        batch_records=settings.forward.batch_records,
-    )
+        shutil.rmtree(workdir, ignore_errors=True)
+    return records / seconds
+
+
+def run_iggy(src: Path, workdir: Path, records: int, partitions: list[int], repeat: int) -> None:
+    if shutil.which("iggy-server") is None:
+        skipped(BENCH, "iggy_rate", "iggy-server not on PATH (see tests/support/iggy_server.py to build it)")
+        return
+    for n in partitions:
+        rates: list[float] = []
+        ref_rates: list[float] = []
+        for r in range(repeat):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for pipelined in order:
+                rate = _iggy_once(src, workdir / f"iggy-{n}", records, n, pipelined=pipelined)
+                (rates if pipelined else ref_rates).append(rate)
+        s, ref = spread(rates, 0), spread(ref_rates, 0)
+        emit(
+            BENCH,
+            f"iggy_rate_{n}p",
+            s["median"],
+            "records/s",
+            target=100_000,
+            partitions=n,
+            records=records,
+            spread=s,
+            reference=ref["median"],
+            reference_name="one batch in flight (the forwarder before issue 14), same server and file",
+            reference_spread=ref,
+            speedup=round(s["median"] / ref["median"], 2),
+            devices=DRAIN_DEVICES,
+            uplink="real iggy-server on loopback (1 shard), topic created by the agent (fsync per request)",
+        )
 
 
 def main() -> None:
@@ -214,15 +273,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--no-iggy", action="store_true", help="skip the real Iggy run")
+    ap.add_argument("--no-iggy", action="store_true", help="skip the real Iggy runs")
+    ap.add_argument("--partitions", default="1,3,12", help="partition counts of the real Iggy runs")
     a = ap.parse_args()
     records, repeat = (5000, 1) if a.quick else (a.records, a.repeat)
+    partitions = [int(x) for x in a.partitions.split(",") if x]
     emit_machine(BENCH)
     with tempfile.TemporaryDirectory(prefix="iggy-edge-drain-") as tmp:
         work = Path(tmp)
         src = work / "src" / "buffer.db"
         src.parent.mkdir()
-        fill_rate = asyncio.run(fill(src, records))
+        fill_rate = asyncio.run(fill(src, records, DRAIN_DEVICES))
         emit(
             BENCH,
             "fill_rate",
@@ -251,12 +312,15 @@ def main() -> None:
                     ref_rates.append(records / reference(path, records, batch))
             shutil.rmtree(run)
         s = spread(rates, 0)
+        ref_median = spread(ref_rates, 0)["median"]
         emit(
             BENCH,
             "memory_rate",
             s["median"],
             "records/s",
-            target=100_000,
+            target=200_000,
+            ratio=round(s["median"] / ref_median, 2),
+            ratio_target=0.5,
             records=records,
             seconds=round(records / s["median"], 2),
             spread=s,
@@ -278,7 +342,7 @@ def main() -> None:
             note="MemoryUplink.send alone, 1000-record batches over 500 keys",
         )
         if not a.no_iggy:
-            run_iggy(src, work, records)
+            run_iggy(src, work, records, partitions, 1 if a.quick else max(1, repeat - 1))
 
 
 if __name__ == "__main__":

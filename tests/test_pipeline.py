@@ -15,6 +15,7 @@ from iggy_edge.metrics import Metrics
 from iggy_edge.records import OutboundRecord
 from iggy_edge.runtime import Agent
 from iggy_edge.uplink.memory import MemoryIggy, MemoryUplink
+from iggy_edge.uplink.protocol import Lane
 
 from tests.support.agent import make_settings, running_agent, wait_subscribed
 from tests.support.broker import Broker
@@ -161,6 +162,13 @@ class GatedUplink(MemoryUplink):
         self.sending.set()
         await asyncio.sleep(self.delay)
         await super().send(batch)
+
+    async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
+        # the forwarder's path (one request per partition)
+        self.in_flight = [r.seq for r in records]
+        self.sending.set()
+        await asyncio.sleep(self.delay)
+        await super().send_lane(lane, records)
 
 
 async def test_stop_finishes_the_batch_in_flight_within_the_bound(tmp_path: Path, broker: Broker) -> None:

@@ -114,7 +114,7 @@ async def publish(broker: Broker, client: str, device: str, seqs: range) -> set[
 def committed(db: Path, device: str) -> int:
     """Rows the agent has committed for one device (read-only, beside the agent)."""
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-        (n,) = con.execute("SELECT count(*) FROM outbox WHERE pkey = ?", (device,)).fetchone()
+        (n,) = con.execute("SELECT count(*) FROM outbox_rows WHERE pkey = ?", (device,)).fetchone()
     return int(n)
 
 
@@ -218,8 +218,11 @@ async def test_damaged_buffer_starts_salvages_and_forwards(tmp_path: Path, broke
 
     proc = start(online, log)
     try:
+        # Six pages of ~80 are destroyed: a page (or an interior page's
+        # subtree) holds more records since rows are denser (schema 2, issue
+        # 14), so up to a fifth may be lost here; the rest must go out.
         await async_wait_until(
-            lambda: len(forwarded(uplink)) >= 0.9 * len(acked),
+            lambda: len(forwarded(uplink)) >= 0.75 * len(acked),
             60,
             interval=0.3,
             what="salvaged records forwarded",

@@ -159,7 +159,8 @@ def load_fails(path: Path) -> bool:
     conn = sqlite3.connect(path)
     try:
         conn.execute("SELECT count(*) FROM outbox").fetchall()
-        conn.execute("SELECT count(*), sum(length(payload) + length(mqtt_topic)) FROM outbox").fetchall()
+        conn.execute("SELECT id, route_id, pkey, mqtt_topic FROM sources").fetchall()
+        conn.execute("SELECT count(*), sum(length(payload) + length(mqtt_topic)) FROM outbox_rows").fetchall()
         conn.execute("SELECT mqtt_topic, device_seq, crc FROM ingest_recent ORDER BY seq DESC").fetchall()
         conn.execute("SELECT id, stream, topic FROM routes").fetchall()
     except sqlite3.DatabaseError:

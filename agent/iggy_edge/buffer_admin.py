@@ -20,7 +20,16 @@ from .config import BufferSettings
 from .routing import Rejected, Router
 from .store.db import BufferBusy, NoDatabase, StoreError, exclusive, ro_connect, sync_transaction
 from .store.recovery import Event, acknowledge, read_events
-from .store.schema import COUNT_DROP_SQL, ROW_OVERHEAD, accounted_bytes, device_seq_of
+from .store.schema import (
+    COUNT_DROP_SQL,
+    OUTBOX_TOTALS_SQL,
+    ROW_OVERHEAD,
+    accounted_bytes,
+    add_v1_view,
+    device_seq_of,
+    migrate,
+    source_id_sync,
+)
 
 __all__ = [
     "BufferBusy",
@@ -86,12 +95,22 @@ class BufferStats:
 # -- read-only helpers for the CLI (a separate process, WAL lets it read) --
 
 
-def read_stats(path: Path) -> BufferStats:
+def _reader(path: Path) -> sqlite3.Connection:
+    """A read-only connection with `outbox_rows` also on a file the agent
+    has not migrated yet (schema.add_v1_view)."""
     conn = ro_connect(path)
     try:
-        records, nbytes = conn.execute(
-            "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
-        ).fetchone()
+        add_v1_view(conn)
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise StoreError(f"{path}: {e}") from e
+    return conn
+
+
+def read_stats(path: Path) -> BufferStats:
+    conn = _reader(path)
+    try:
+        records, nbytes = conn.execute(OUTBOX_TOTALS_SQL).fetchone()
         oldest = conn.execute("SELECT received_us FROM outbox ORDER BY seq LIMIT 1").fetchone()
         newest = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
         by_reason = dict(conn.execute("SELECT reason, count(*) FROM dead_letters GROUP BY reason").fetchall())
@@ -181,7 +200,7 @@ class StoredRecord:
 
 def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> Iterator[StoredRecord]:
     """Outbox records oldest first (seq order), read in pages of `chunk`."""
-    conn = ro_connect(path)
+    conn = _reader(path)
     try:
         routes = {
             int(r[0]): (str(r[1]), str(r[2])) for r in conn.execute("SELECT id, stream, topic FROM routes")
@@ -191,7 +210,7 @@ def iter_records(path: Path, *, limit: int | None = None, chunk: int = 1000) -> 
             n = chunk if left is None else min(chunk, left)
             rows = conn.execute(
                 "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-                " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
+                " FROM outbox_rows WHERE seq > ? ORDER BY seq LIMIT ?",
                 (after, n),
             ).fetchall()
             if not rows:
@@ -266,9 +285,8 @@ def replay_dead_letters(
     chunk.  Those that still do not route stay, by reason.  A payload that
     was truncated when it was dead-lettered is never replayed."""
     result = ReplayResult()
-    count, nbytes = conn.execute(
-        "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
-    ).fetchone()
+    migrate(conn)  # a file the agent has not opened since its upgrade
+    count, nbytes = conn.execute(OUTBOX_TOTALS_SQL).fetchone()
     records, used = int(count), int(nbytes) + ROW_OVERHEAD * int(count)
     after = 0
     while True:
@@ -307,12 +325,10 @@ def replay_dead_letters(
                     "SELECT id FROM routes WHERE stream = ? AND topic = ?", (route.stream, route.topic)
                 ).fetchone()
                 conn.execute(
-                    "INSERT INTO outbox(route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO outbox(source_id, flags, received_us, device_seq, payload)"
+                    " VALUES (?, ?, ?, ?, ?)",
                     (
-                        rid,
-                        route.key,
-                        topic,
+                        source_id_sync(conn, int(rid), route.key, topic),
                         int(qos) | (int(retain) << 2),
                         recv,
                         device_seq_of(payload),

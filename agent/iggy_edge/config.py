@@ -244,6 +244,10 @@ class IggySettings(_Model):
     connect_timeout_s: Seconds = 10.0
     create_missing: bool = True
     partitions: Annotated[int, Field(ge=1, le=1000)] = 3
+    # Connections the uplink opens at most, one per partition it sends to
+    # (requests to different partitions run side by side; the server answers
+    # one request at a time per connection).  Partitions beyond share them.
+    uplink_connections: Annotated[int, Field(ge=1, le=64)] = 16
     file_path: FilePath | None = None
 
     @model_validator(mode="after")

@@ -1,11 +1,29 @@
 """Forward: outbox -> Iggy, in batches, deleting only what Iggy confirmed.
 
-One batch is in flight at a time and batches are read in outbox order, so
-per partition key the records reach Iggy in ingest order, across outages and
-restarts.  A batch is the oldest `batch_records` records (cut at
-`batch_bytes`); when fewer are waiting, the forwarder lingers up to
-`linger_ms` for more, so a trickle of telemetry still goes out in batches
-without adding more than the linger to its latency.
+Pipeline (issue 14).  A reader reads batches in outbox (seq) order, ahead of
+the confirmations, and splits each by lane: one lane per Iggy partition
+(`LanedUplink.lanes`; an uplink without lanes is one lane).  Each lane sends
+its parts one request at a time, in order, queued parts merged into one
+request up to the batch limits; lanes run side by side, each on its own
+connection.  A key maps to one partition, so per key the records reach Iggy
+in ingest order, across outages and restarts.  While the lanes send, the
+reader already reads the next batches (at most ``batch_records x (lanes +
+1)`` records and 4 x ``batch_bytes`` ahead of the deletes: memory stays
+bounded).  Lanes confirm in any order; a delete loop deletes exactly the
+confirmed seqs (`Outbox.confirm`), whatever the lanes confirmed since its
+last delete in one statement.  A record leaves the outbox only after Iggy
+confirmed it; a crash loses at most the deletes of the last confirmations,
+so a restart re-sends only those (same ids) and what was never confirmed.
+
+A batch is the oldest `batch_records` unread records (cut at
+`batch_bytes`); when fewer are waiting, the reader lingers up to `linger_ms`
+for more, so a trickle of telemetry still goes out in batches without adding
+more than the linger to its latency.
+
+On the first failure the pass ends: no lane starts another request, the
+requests in flight finish, what they confirmed is deleted, and after the
+backoff the next pass starts again from the oldest record in the outbox
+(the failed lane's records first, so order holds).
 
 Failures: `UplinkUnavailable` (nothing left the agent) and `UplinkRejected`
 are retried with capped, full-jitter exponential backoff; the records stay
@@ -13,7 +31,7 @@ in the outbox meanwhile and ingest goes on.  `UplinkAmbiguous` (the request
 may have been stored) is retried the same way and the records it covers are
 counted in `iggy_edge_forward_ambiguous_retries_total`.  The other source of
 duplicates: Iggy confirmed a batch but deleting it from the outbox failed
-(disk error); the forwarder stage fails and is restarted, and the batch goes
+(disk error); the forwarder stage fails and is restarted, and those records go
 out again -- counted in `iggy_edge_forward_resent_records_total`.  Both
 carry the same message ids.
 
@@ -35,6 +53,8 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Final, Protocol, runtime_checkable
 
 from .backoff import backoff_delay
@@ -44,7 +64,7 @@ from .metrics import Metrics
 from .records import OutboundRecord
 from .stages import OutboxReader
 from .timeouts import wait_for
-from .uplink.protocol import Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
+from .uplink.protocol import Lane, LanedUplink, Uplink, UplinkAmbiguous, UplinkError, UplinkRejected
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +72,8 @@ log = logging.getLogger(__name__)
 # and how long one probe waits for a TCP connect.
 PROBE_INTERVAL_S: Final = (0.5, 1.0)
 PROBE_TIMEOUT_S: Final = 0.5
+# Payload bytes read ahead of the confirmations, in batches (batch_bytes).
+IN_FLIGHT_BATCHES_BYTES: Final = 4
 
 
 @runtime_checkable
@@ -59,6 +81,39 @@ class RecoveryProbe(Protocol):
     """An uplink that can cheaply tell whether its server is reachable."""
 
     async def reachable(self, timeout: float) -> bool: ...
+
+
+@dataclass(eq=False)
+class _Lane:
+    """Parts of read batches waiting for one lane, oldest first, with their
+    payload bytes; `task` sends them one request at a time."""
+
+    parts: deque[tuple[list[OutboundRecord], int]] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Run:
+    """One pass of the pipeline: from the oldest record in the outbox until
+    stop() or the first failure.  See the module docstring."""
+
+    def __init__(self) -> None:
+        self.cursor = 0  # highest seq read so far
+        self.in_flight = 0  # records read and not yet deleted
+        self.in_flight_bytes = 0
+        self.lanes: dict[Lane | None, _Lane] = {}
+        self.lane_tasks: list[asyncio.Task[None]] = []
+        self.confirmed: list[OutboundRecord] = []  # confirmed by Iggy, to delete
+        self.confirmed_wake = asyncio.Event()
+        self.lanes_done = False
+        self.closing = False  # stop() or a failure: send no further request
+        self.failure: tuple[UplinkError, int] | None = None
+        self.changed = asyncio.Event()  # room freed, a failure, stop()
+
+    def close(self) -> None:
+        self.closing = True
+        self.changed.set()
+        for lane in self.lanes.values():
+            lane.wake.set()
 
 
 class Forwarder:
@@ -75,41 +130,171 @@ class Forwarder:
         self._failures = 0
         # Seqs Iggy has confirmed whose delete from the outbox has not yet
         # succeeded; kept across a restart of run() by the supervisor.
-        self._undeleted: frozenset[int] = frozenset()
+        self._undeleted: set[int] = set()
+        self._run: _Run | None = None
         self.up = asyncio.Event()
         self.down_since: float | None = None
 
     def stop(self) -> None:
-        """Finish the batch in flight, then return from run()."""
+        """Finish the requests in flight, then return from run()."""
         self._stopping.set()
+        if self._run is not None:
+            self._run.close()
 
     async def run(self) -> None:
         while not self._stopping.is_set():
             if not self._started and not await self._start_uplink():
                 continue
-            if not await self._outbox.wait_for_data(timeout=0.5):
+            failure = await self._pass()
+            if failure is not None:
+                self._on_failure(*failure)
+                await self._backoff()
+
+    async def _pass(self) -> tuple[UplinkError, int] | None:
+        """Run the pipeline until stop() or a failure (returned, with the
+        records it left unconfirmed); the lanes finish the request they have
+        in flight and what Iggy confirmed is deleted before this returns.
+        Store errors raise (the supervisor restarts the stage)."""
+        run = self._run = _Run()
+        deleter = asyncio.create_task(self._delete_loop(run), name="forward-delete")
+        try:
+            try:
+                await self._read_loop(run)
+            finally:
+                run.close()
+            # stop() or a failure: the requests in flight finish (each is
+            # bounded by the uplink), then what they confirmed is deleted.
+            await asyncio.gather(*run.lane_tasks)
+            run.lanes_done = True
+            run.confirmed_wake.set()
+            await deleter
+        except BaseException:
+            # Cancelled (the shutdown's bound ran out) or a store error:
+            # nothing more is sent or deleted; the rest stays in the outbox.
+            for t in (*run.lane_tasks, deleter):
+                t.cancel()
+            await asyncio.gather(*run.lane_tasks, deleter, return_exceptions=True)
+            self._undeleted.update([r.seq for r in run.confirmed])  # confirmed, never deleted
+            raise
+        finally:
+            self._run = None
+        return run.failure
+
+    async def _read_loop(self, run: _Run) -> None:
+        """Read batches ahead of the lanes, split them by lane, queue them."""
+        s = self._settings
+        laned = self._uplink if isinstance(self._uplink, LanedUplink) else None
+        while not run.closing and not self._stopping.is_set():
+            cap = s.batch_records * (len(run.lanes) + 1)
+            if run.in_flight >= cap or run.in_flight_bytes >= IN_FLIGHT_BATCHES_BYTES * s.batch_bytes:
+                run.changed.clear()
+                await run.changed.wait()
                 continue
-            await self._linger()
-            batch = await self._outbox.read_batch(self._settings.batch_records, self._settings.batch_bytes)
+            if 0 < self._outbox.records - run.in_flight < s.batch_records:
+                await self._linger(run)
+            batch = await self._outbox.read_batch(s.batch_records, s.batch_bytes, after=run.cursor)
             if not batch:
+                await self._wait_for_more(run)
                 continue
+            run.cursor = batch[-1].seq
             self._count_resent(batch)
+            try:
+                parts: list[tuple[Lane | None, list[OutboundRecord]]] = (
+                    [(None, list(batch))] if laned is None else list(await laned.lanes(batch))
+                )
+            except UplinkError as e:
+                run.failure = run.failure or (e, len(batch))
+                return
+            run.in_flight += len(batch)
+            for key, records in parts:
+                nbytes = sum([len(r.payload) for r in records])
+                run.in_flight_bytes += nbytes
+                lane = run.lanes.get(key)
+                if lane is None:
+                    lane = run.lanes[key] = _Lane()
+                    run.lane_tasks.append(
+                        asyncio.create_task(self._lane_loop(run, key, lane), name=f"forward-lane-{key}")
+                    )
+                lane.parts.append((records, nbytes))
+                lane.wake.set()
+
+    async def _wait_for_more(self, run: _Run) -> None:
+        """Until a commit adds records, a stop or a failure (0.5 s at most)."""
+        run.changed.clear()
+        more = asyncio.ensure_future(self._outbox.wait_for_more(0.5))
+        changed = asyncio.ensure_future(run.changed.wait())
+        try:
+            await asyncio.wait((more, changed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (more, changed):
+                t.cancel()
+            await asyncio.gather(more, changed, return_exceptions=True)
+
+    async def _lane_loop(self, run: _Run, key: Lane | None, lane: _Lane) -> None:
+        """One request in flight for this lane, its parts in outbox order;
+        queued parts are merged into one request up to the batch limits."""
+        s = self._settings
+        while not run.closing:
+            if not lane.parts:
+                lane.wake.clear()
+                await lane.wake.wait()
+                continue
+            records, nbytes = lane.parts.popleft()
+            while lane.parts:
+                more, more_bytes = lane.parts[0]
+                if len(records) + len(more) > s.batch_records or nbytes + more_bytes > s.batch_bytes:
+                    break
+                lane.parts.popleft()
+                records = records + more
+                nbytes += more_bytes
             started = time.perf_counter()
             try:
-                await self._uplink.send(batch)
+                if key is None or not isinstance(self._uplink, LanedUplink):
+                    await self._uplink.send(records)
+                else:
+                    await self._uplink.send_lane(key, records)
             except UplinkError as e:
                 if e.confirmed:
-                    self._undeleted = e.confirmed
-                    await self._account(await self._outbox.confirm(batch, e.confirmed), 0)
-                    self._undeleted = frozenset()
-                self._on_failure(e, len(batch) - len(e.confirmed))
-                await self._backoff()
-                continue
+                    self._confirmed(run, [r for r in records if r.seq in e.confirmed])
+                if run.failure is None:
+                    run.failure = (e, len(records) - len(e.confirmed))
+                run.close()
+                return
             self._metrics.forward_send_seconds.observe(time.perf_counter() - started)
-            self._undeleted = frozenset(r.seq for r in batch)
-            await self._account(await self._outbox.confirm(batch), 1)
-            self._undeleted = frozenset()
+            self._metrics.forward_batches.inc()
             self._on_success()
+            self._confirmed(run, records)
+
+    def _confirmed(self, run: _Run, records: list[OutboundRecord]) -> None:
+        """Iggy confirmed `records`: hand them to the delete loop (what it
+        could not delete goes to `_undeleted` when it fails)."""
+        run.confirmed.extend(records)
+        run.confirmed_wake.set()
+
+    async def _delete_loop(self, run: _Run) -> None:
+        """Delete what Iggy confirmed, whatever the lanes confirmed since the
+        last delete in one go (lanes confirm in any order: the outbox deletes
+        exactly the seqs given).  A store error raises out of run()."""
+        while True:
+            if not run.confirmed:
+                if run.lanes_done:
+                    return
+                run.confirmed_wake.clear()
+                await run.confirmed_wake.wait()
+                continue
+            records, run.confirmed = run.confirmed, []
+            try:
+                deleted = await self._outbox.confirm(records)
+            except BaseException:
+                self._undeleted.update([r.seq for r in records])
+                run.close()
+                raise
+            if self._undeleted:  # re-sent after a failed delete: now gone
+                self._undeleted.difference_update([r.seq for r in records])
+            self._metrics.forwarded.inc(deleted)
+            run.in_flight -= len(records)
+            run.in_flight_bytes -= sum([len(r.payload) for r in records])
+            run.changed.set()
 
     def _count_resent(self, batch: list[OutboundRecord]) -> None:
         """Records Iggy already has (their delete failed) that go out again."""
@@ -136,20 +321,17 @@ class Forwarder:
         log.info("uplink started")
         return True
 
-    async def _linger(self) -> None:
+    async def _linger(self, run: _Run) -> None:
+        """Wait up to linger_ms for a full batch of unread records."""
         s = self._settings
-        if self._outbox.records >= s.batch_records or not s.linger_ms:
+        if not s.linger_ms:
             return
         deadline = time.monotonic() + s.linger_ms / 1000
-        while self._outbox.records < s.batch_records and not self._stopping.is_set():
+        while self._outbox.records - run.in_flight < s.batch_records and not run.closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             await asyncio.sleep(min(left, 0.005))
-
-    async def _account(self, deleted: int, batches: int) -> None:
-        self._metrics.forwarded.inc(deleted)
-        self._metrics.forward_batches.inc(batches)
 
     def _on_success(self) -> None:
         if self._failures:

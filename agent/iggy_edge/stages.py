@@ -43,11 +43,17 @@ class OutboxReader(Protocol):
     async def wait_for_data(self, timeout: float | None = None) -> bool:
         """True as soon as a record waits; False after `timeout` without one."""
 
-    async def read_batch(self, max_records: int, max_bytes: int) -> list[OutboundRecord]:
-        """The oldest records, in seq order, up to the limits (at least one)."""
+    async def wait_for_more(self, timeout: float | None = None) -> bool:
+        """True once a commit added records since the last `read_batch`
+        began; False after `timeout` without one."""
+
+    async def read_batch(self, max_records: int, max_bytes: int, after: int = 0) -> list[OutboundRecord]:
+        """The oldest records with seq > `after`, in seq order, up to the
+        limits (at least one when any waits)."""
 
     async def confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None = None) -> int:
-        """Delete the whole batch, or only the `confirmed` seqs; the count deleted."""
+        """Delete exactly the records of `batch` (any set, adjacent or not),
+        or only its `confirmed` seqs; the count deleted."""
 
 
 class DeadLetterSink(Protocol):

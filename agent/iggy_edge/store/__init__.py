@@ -34,6 +34,14 @@ Design
   after the outbox empties; the message id is (gateway hash, epoch, seq), see
   records.py.  Forwarding reads in seq order, which is arrival order, so per
   partition key order holds across outages and restarts.
+* **Rows and versions.**  An outbox row carries seq, a source id, flags,
+  receive time, the device's seq and the payload; the source (route,
+  partition key, MQTT topic -- the same for every reading of one device
+  channel) is a row of `sources`, so these strings are stored once, not per
+  record (schema version 2; 93 bytes on disk per 60-byte record, 129 with
+  version 1).  `schema.migrate` converts a version 1 file in place, in one
+  transaction, when the agent opens it; the CLI reads either version
+  (`outbox_rows`, a view with the version 1 columns).
 * **Bounds.**  `max_records` and `max_bytes` (accounted bytes = payload +
   topic + a fixed per-row overhead) are enforced at insert time with the
   configured policy: `drop_oldest` deletes the oldest records, `reject_new`

@@ -51,6 +51,10 @@ class OutboxBase:
         self._epoch = 0
         self._route_ids: dict[Route | tuple[str, str], int] = {}
         self._route_names: dict[int, tuple[str, str]] = {}
+        # sources (schema.py): (route id, key, mqtt topic) -> id, and id ->
+        # (stream, topic, key, mqtt topic) for the reader
+        self._source_ids: dict[tuple[int, str, str], int] = {}
+        self._source_names: dict[int, tuple[str, str, str, str]] = {}
         # Every statement of the running outbox goes through this lock (see
         # db.py): the committer, the forwarder, ingest's dead letters and
         # housekeeping share one connection.
@@ -84,6 +88,37 @@ class OutboxBase:
     def _update_gauges(self) -> None:
         self._metrics.backlog_records.set(self.records)
         self._metrics.backlog_bytes.set(self.bytes)
+
+    async def _source_rows(
+        self, rows: list[tuple[Any, ...]]
+    ) -> tuple[list[tuple[Any, ...]], dict[tuple[int, str, str], int]]:
+        """Rows (route_id, pkey, mqtt_topic, flags, received_us, device_seq,
+        payload) as outbox rows (source_id, flags, received_us, device_seq,
+        payload).  Sources new to the file are created inside the caller's
+        transaction and returned: `_sources_committed` caches them once it
+        committed (a rollback must not leave an id in the cache)."""
+        known = self._source_ids
+        new: dict[tuple[int, str, str], int] = {}
+        out = []
+        for r in rows:
+            key = (r[0], r[1], r[2])
+            sid = known.get(key) or new.get(key)
+            if sid is None:
+                await self._conn.execute(
+                    "INSERT OR IGNORE INTO sources(route_id, pkey, mqtt_topic) VALUES (?, ?, ?)", key
+                )
+                row = await self._db.fetchone(
+                    "SELECT id FROM sources WHERE route_id = ? AND pkey = ? AND mqtt_topic = ?", key
+                )
+                sid = new[key] = int(row[0])
+            out.append((sid, r[3], r[4], r[5], r[6]))
+        return out, new
+
+    def _sources_committed(self, new: dict[tuple[int, str, str], int]) -> None:
+        for key, sid in new.items():
+            self._source_ids[key] = sid
+            stream, topic = self._route_names[key[0]]
+            self._source_names[sid] = (stream, topic, key[1], key[2])
 
     async def _count_drop(self, reason: str, n: int) -> None:
         """Add `n` to the persistent drop counter (inside the caller's transaction)."""

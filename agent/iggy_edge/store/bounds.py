@@ -92,7 +92,7 @@ class Bounds(OutboxBase):
             # Look at the oldest rows in chunks, delete exactly the prefix that
             # frees enough (no more: every extra row would be data lost for nothing).
             async with self._conn.execute(
-                "SELECT seq, length(payload) + length(mqtt_topic) FROM outbox ORDER BY seq LIMIT ?",
+                "SELECT seq, length(payload) + length(mqtt_topic) FROM outbox_rows ORDER BY seq LIMIT ?",
                 (max(records - freed_r, 64),),
             ) as cur:
                 oldest = list(await cur.fetchall())
@@ -132,7 +132,8 @@ class Bounds(OutboxBase):
     async def _expire_chunk(self, cutoff: int) -> list[Any]:
         async with self._conn.execute(
             "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE received_us < ?"
-            " ORDER BY seq LIMIT ?) RETURNING length(payload) + length(mqtt_topic)",
+            " ORDER BY seq LIMIT ?)"
+            " RETURNING length(payload) + (SELECT length(mqtt_topic) FROM sources WHERE id = source_id)",
             (cutoff, EXPIRE_CHUNK),
         ) as cur:
             sizes = list(await cur.fetchall())

@@ -21,7 +21,7 @@ from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
 from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
-from .schema import RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+from .schema import OUTBOX_TOTALS_SQL, RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ class Outbox(GroupCommit, ReadConfirm):
         for rid, stream, topic in await self._db.fetchall("SELECT id, stream, topic FROM routes"):
             self._route_ids[(stream, topic)] = rid
             self._route_names[rid] = (stream, topic)
-        row = await self._db.fetchone(
-            "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox"
-        )
+        sources = await self._db.fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
+        self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in sources})
+        row = await self._db.fetchone(OUTBOX_TOTALS_SQL)
         assert row is not None
         self.records = int(row[0])
         self.bytes = int(row[1]) + ROW_OVERHEAD * self.records

@@ -4,7 +4,8 @@ uplink confirmed."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Final
 
 from ..records import (
     HEADER_DEVICE_SEQ,
@@ -17,7 +18,30 @@ from ..records import (
 )
 from ..timeouts import wait_for
 from .base import OutboxBase
-from .schema import accounted_bytes
+from .schema import ROW_OVERHEAD
+
+_QOS: Final = ("0", "1", "2", "3")
+SOURCES_KEPT: Final = 10_000  # sources cached before an empty outbox forgets them
+
+
+def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive seqs as (first, last), ascending; duplicates are
+    merged.  A run holds only the seqs given, so ``DELETE ... BETWEEN`` over
+    the runs deletes exactly those (a whole read batch is one run, or a few
+    where drops left gaps; the lanes of the forwarder confirm interleaved
+    subsets, see forward.py)."""
+    out: list[tuple[int, int]] = []
+    first = last = -2
+    for s in sorted(seqs):
+        if s == last + 1:
+            last = s
+        elif s != last:
+            if last >= 0:
+                out.append((first, last))
+            first = last = s
+    if last >= 0:
+        out.append((first, last))
+    return out
 
 
 class ReadConfirm(OutboxBase):
@@ -31,70 +55,115 @@ class ReadConfirm(OutboxBase):
             return False
         return True
 
-    async def read_batch(self, max_records: int, max_bytes: int) -> list[OutboundRecord]:
-        """The oldest records, in seq order, up to the limits (at least one)."""
+    async def wait_for_more(self, timeout: float | None = None) -> bool:
+        """True once a commit added records since the last `read_batch`
+        began (at once when one did); False after `timeout`.  A reader that
+        reads ahead of its deletes (the forwarder) cannot use `records` to
+        tell whether anything unread waits."""
+        try:
+            await wait_for(self._data_available.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def read_batch(self, max_records: int, max_bytes: int, after: int = 0) -> list[OutboundRecord]:
+        """The oldest records with seq > `after`, in seq order, up to the
+        limits (at least one when any waits)."""
+        self._data_available.clear()  # before the read: a commit from now on sets it again
         rows = await self._db.fetchall(  # one round trip to the SQLite thread
-            "SELECT seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
-            " FROM outbox ORDER BY seq LIMIT ?",
-            (max_records,),
+            # The header strings come from SQLite (its thread, beside the
+            # event loop's) rather than str() per record here.
+            "SELECT seq, source_id, flags, CAST(received_us AS TEXT), CAST(device_seq AS TEXT), payload"
+            " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
+            (after, max_records),
         )
         out: list[OutboundRecord] = []
+        append = out.append
         total = 0
         high = (self._gateway_hash << 96) | (self._epoch << 64)
         gw = self._gateway_id
-        names = self._route_names
-        for seq, rid, pkey, topic, flags, recv, dseq, payload in rows:
+        names = self._source_names
+        qos = _QOS
+        for seq, sid, flags, recv, dseq, payload in rows:
             total += len(payload)
-            if out and total > max_bytes:
+            if total > max_bytes and out:
                 break
-            stream, itopic = names[rid]
-            headers = {
-                HEADER_MQTT_TOPIC: topic,
-                HEADER_QOS: str(flags & 3),
-                HEADER_RETAIN: "1" if flags & 4 else "0",
-                HEADER_GATEWAY: gw,
-                HEADER_RECEIVED_US: str(recv),
-            }
-            if dseq is not None:
-                headers[HEADER_DEVICE_SEQ] = str(dseq)
-            out.append(OutboundRecord(seq, high | seq, stream, itopic, pkey, payload, headers))
+            stream, itopic, pkey, topic = names[sid]
+            # One dict display per record (no per-key stores); the strings
+            # of qos and retain are shared.
+            if dseq is None:
+                headers = {
+                    HEADER_MQTT_TOPIC: topic,
+                    HEADER_QOS: qos[flags & 3],
+                    HEADER_RETAIN: "1" if flags & 4 else "0",
+                    HEADER_GATEWAY: gw,
+                    HEADER_RECEIVED_US: recv,
+                }
+            else:
+                headers = {
+                    HEADER_MQTT_TOPIC: topic,
+                    HEADER_QOS: qos[flags & 3],
+                    HEADER_RETAIN: "1" if flags & 4 else "0",
+                    HEADER_GATEWAY: gw,
+                    HEADER_RECEIVED_US: recv,
+                    HEADER_DEVICE_SEQ: dseq,
+                }
+            append(OutboundRecord(seq, high | seq, stream, itopic, pkey, payload, headers))
         return out
 
     async def confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None = None) -> int:
-        """Delete what Iggy confirmed: the whole batch, or only `confirmed` seqs."""
+        """Delete what Iggy confirmed: every record of `batch` (any set of
+        records, not necessarily adjacent), or only its `confirmed` seqs.
+        Exactly those rows go: the delete runs over runs of consecutive seqs
+        (`seq_ranges`), never over a span that could hold an unconfirmed
+        record."""
         async with self._lock:
             return await self._confirm(batch, confirmed)
 
     async def _confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None) -> int:
         if not batch:
             return 0
-        if confirmed is None:
-            gone = batch
-        else:
-            gone = [r for r in batch if r.seq in confirmed]
-            if not gone:
-                return 0
+        gone = batch if confirmed is None else [r for r in batch if r.seq in confirmed]
+        if not gone:
+            return 0
+        ranges = seq_ranges([r.seq for r in gone])
         await self._db.synchronous("NORMAL")
         deleted_before = self._conn.total_changes
-        if confirmed is None:
+        if len(ranges) == 1:
             # One statement is its own transaction (autocommit): one round trip
             # to the SQLite thread instead of BEGIN / DELETE / COMMIT.
-            await self._conn.execute_fetchall(
-                "DELETE FROM outbox WHERE seq BETWEEN ? AND ?", (batch[0].seq, batch[-1].seq)
-            )
+            await self._conn.execute_fetchall("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", ranges[0])
         else:
             async with self._db.transaction():
-                await self._conn.executemany("DELETE FROM outbox WHERE seq = ?", [(r.seq,) for r in gone])
+                await self._conn.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", ranges)
         deleted = self._conn.total_changes - deleted_before
         # Rows dropped by drop_oldest while in flight were already accounted.
         if deleted:
-            freed = sum(accounted_bytes(len(r.payload), r.headers[HEADER_MQTT_TOPIC]) for r in gone)
+            freed = (
+                sum([len(r.payload) for r in gone])
+                + sum([len(r.headers[HEADER_MQTT_TOPIC]) for r in gone])
+                + ROW_OVERHEAD * len(gone)
+            )
             if deleted != len(gone):
                 freed = freed * deleted // len(gone)
             self.records -= deleted
             self.bytes -= freed
+        if self.records == 0 and len(self._source_ids) > SOURCES_KEPT:
+            await self._forget_sources()
         self._update_gauges()
         return deleted
+
+    async def _forget_sources(self) -> None:
+        """Sources no row refers to any more (the outbox just emptied), so a
+        stream of ever new MQTT topics cannot grow the table and its cache
+        without bound (lock held)."""
+        await self._conn.execute(
+            "DELETE FROM sources WHERE NOT EXISTS (SELECT 1 FROM outbox WHERE source_id = sources.id)"
+        )
+        kept = await self._conn.execute_fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
+        self._source_ids.clear()
+        self._source_names.clear()
+        self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in kept})
 
     async def oldest_received_us(self) -> int | None:
         rows = await self._db.fetchall("SELECT received_us FROM outbox ORDER BY seq LIMIT 1")

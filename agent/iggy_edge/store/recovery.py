@@ -40,7 +40,7 @@ import shutil
 import sqlite3
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -296,10 +296,28 @@ def _write_outbox(
     batch: list[tuple[Any, ...]] = []
     orphans: list[tuple[Any, ...]] = []
 
+    sources: dict[tuple[int, str, str], int] = {}
+
+    def source(r: tuple[Any, ...]) -> int:
+        key = (r[1], r[2], r[3])
+        sid = sources.get(key)
+        if sid is None:
+            dst.execute("INSERT OR IGNORE INTO sources(route_id, pkey, mqtt_topic) VALUES (?, ?, ?)", key)
+            (sid,) = dst.execute(
+                "SELECT id FROM sources WHERE route_id = ? AND pkey = ? AND mqtt_topic = ?", key
+            ).fetchone()
+            sources[key] = sid = int(sid)
+        return sid
+
     def flush() -> tuple[int, int]:
         with sync_transaction(dst):
-            before = dst.total_changes
-            dst.executemany(f"INSERT OR IGNORE INTO outbox({OUTBOX_COLS}) VALUES (?,?,?,?,?,?,?,?)", batch)  # noqa: S608
+            placed = [(r[0], source(r), r[4], r[5], r[6], r[7]) for r in batch]
+            before = dst.total_changes  # after the sources: count the records only
+            dst.executemany(
+                "INSERT OR IGNORE INTO outbox(seq, source_id, flags, received_us, device_seq, payload)"
+                " VALUES (?,?,?,?,?,?)",
+                placed,
+            )
             added = dst.total_changes - before
             fresh = list({r[0]: r for r in orphans if r[0] not in orphan_seqs}.values())
             dst.executemany(
@@ -337,6 +355,24 @@ def _write_outbox(
 
 
 OUTBOX_COLS: Final = "seq, route_id, pkey, mqtt_topic, flags, received_us, device_seq, payload"
+OUTBOX_V2_COLS: Final = "seq, source_id, flags, received_us, device_seq, payload"
+
+
+def _v1_shape(
+    rows: Iterable[tuple[Any, ...]], sources: dict[int, tuple[Any, Any, Any]] | None
+) -> Iterator[tuple[Any, ...]]:
+    """Rows of either schema version as version 1 rows (OUTBOX_COLS).  A
+    version 2 row whose source is unreadable cannot be placed: skipped (it
+    counts as unreadable)."""
+    if sources is None:
+        yield from rows
+        return
+    for seq, sid, flags, recv, dseq, payload in rows:
+        src = sources.get(sid)
+        if src is not None:
+            yield (seq, *src, flags, recv, dseq, payload)
+
+
 DEAD_COLS: Final = "received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
 
 
@@ -353,6 +389,17 @@ def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Even
         routes = _try(lambda: src.execute("SELECT id, stream, topic FROM routes").fetchall()) or []
         last = _try(lambda: src.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone())
         route_ids = {int(r[0]) for r in routes}
+        # Version 2 files name each row's source by id (schema.py); read the
+        # sources first and put the rows back into the version 1 shape.
+        columns = _try(lambda: {str(r[1]) for r in src.execute("PRAGMA table_info(outbox)")}) or set()
+        src_sources: dict[int, tuple[Any, Any, Any]] | None = None
+        cols = OUTBOX_COLS
+        if "source_id" in columns:
+            cols = OUTBOX_V2_COLS
+            rows_of_sources = _try(
+                lambda: src.execute("SELECT id, route_id, pkey, mqtt_topic FROM sources").fetchall()
+            )
+            src_sources = {int(r[0]): (r[1], r[2], r[3]) for r in rows_of_sources or []}
         with sync_transaction(dst):
             if epoch is not None:
                 dst.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch[0]),))
@@ -362,16 +409,18 @@ def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Even
         span = _key_range(src, "outbox", "seq", None if last is None else int(last[0]))
         top = 0
         if span is not None:
-            sql = f"SELECT {OUTBOX_COLS} FROM outbox WHERE seq >= ? AND seq < ? ORDER BY seq"  # noqa: S608
+            sql = f"SELECT {cols} FROM outbox WHERE seq >= ? AND seq < ? ORDER BY seq"  # noqa: S608
             orphan_seqs: set[int] = set()
             for lo in range(span[0], span[1] + 1, SALVAGE_CHUNK):
-                rows = _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, span[1] + 1), [])
+                rows = _v1_shape(
+                    _read_range(src, sql, lo, min(lo + SALVAGE_CHUNK, span[1] + 1), []), src_sources
+                )
                 k, d = _write_outbox(dst, rows, route_ids, orphan_seqs)
                 salvaged += k
                 dead += d
             # A damaged interior page can hide leaf pages from the seq search;
             # a plain scan walks the leaves in b-tree order and may still reach them.
-            scan = _scan(src, f"SELECT {OUTBOX_COLS} FROM outbox")  # noqa: S608
+            scan = _v1_shape(_scan(src, f"SELECT {cols} FROM outbox"), src_sources)  # noqa: S608
             k, d = _write_outbox(dst, scan, route_ids, orphan_seqs)
             salvaged += k
             dead += d

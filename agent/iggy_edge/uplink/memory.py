@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..records import OutboundRecord
 from .partition import KeyPartitioner, by_topic, record_problem
-from .protocol import PolledMessage, UplinkAmbiguous, UplinkRejected, UplinkUnavailable
+from .protocol import Lane, PolledMessage, UplinkAmbiguous, UplinkRejected, UplinkUnavailable
 
 
 @dataclass(slots=True)
@@ -262,6 +262,39 @@ class MemoryUplink:
                 iggy._append(parts[p], group)
                 iggy.requests += 1
                 confirmed.extend([r.seq for r in group])
+
+    async def lanes(self, batch: Sequence[OutboundRecord]) -> list[tuple[Lane, list[OutboundRecord]]]:
+        """`LanedUplink.lanes`: one lane per (stream, topic, partition)."""
+        iggy = self.iggy
+        iggy._check_down("send")
+        return await iggy._partitioner.lanes(batch, self._partitions)
+
+    async def _partitions(self, stream: str, topic: str) -> int:
+        return len(self.iggy._topic(stream, topic))
+
+    async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
+        """`LanedUplink.send_lane`: one request (faults and latency apply)."""
+        iggy = self.iggy
+        if iggy.latency_s:
+            await asyncio.sleep(iggy.latency_s)
+        iggy._check_down("send")
+        stream, topic, p = lane
+        group = list(records)
+        if iggy.validate:
+            bad = [(r.seq, x) for r in group if (x := record_problem(r)) is not None]
+            if bad:
+                raise UplinkRejected(f"memory iggy: records Iggy cannot carry: {bad}")
+        parts = iggy._topic(stream, topic)
+        fault = iggy._take_fault()
+        if fault is not None:
+            iggy.failed_requests += 1
+            what = f"injected failure on {stream}/{topic}/{p}"
+            if fault.ambiguous:
+                iggy._append(parts[p], group)
+                raise UplinkAmbiguous(what + " (stored)")
+            raise UplinkUnavailable(what)
+        iggy._append(parts[p], group)
+        iggy.requests += 1
 
     async def close(self) -> None:
         self.closed = True

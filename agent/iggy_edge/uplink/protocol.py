@@ -1,9 +1,10 @@
 """Interfaces at the Iggy boundary.
 
-Two directions, two connections (Iggy handles one request at a time per
-connection):
+Two directions on separate connections (Iggy handles one request at a time
+per connection):
 
-* `Uplink` carries outbox batches to Iggy.
+* `Uplink` carries outbox batches to Iggy; a `LanedUplink` sends to several
+  partitions side by side, one connection per lane (issue 14).
 * `CommandSource` polls the command/config topics for the return path and
   mirrors the agent's read offsets to the server.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..records import OutboundRecord
 
@@ -60,6 +61,32 @@ class Uplink(Protocol):
         split so that a later one is confirmed while an earlier one is not."""
 
     async def close(self) -> None: ...
+
+
+# A lane of a `LanedUplink`: one partition of one topic, (stream, topic, partition).
+Lane = tuple[str, str, int]
+
+
+@runtime_checkable
+class LanedUplink(Uplink, Protocol):
+    """An `Uplink` whose requests can run side by side, one lane each.
+
+    A lane is one partition: per lane the forwarder keeps one request in
+    flight and sends in outbox order, so per key (a key maps to one
+    partition) records reach Iggy in ingest order; different lanes run in
+    parallel (each on its own connection, where the server answers one
+    request at a time per connection) and confirm in any order.
+    """
+
+    async def lanes(self, batch: Sequence[OutboundRecord]) -> list[tuple[Lane, list[OutboundRecord]]]:
+        """`batch` split by lane, each part in batch order, lanes in order of
+        first appearance.  May look up (or create) topics: raises
+        UplinkError when that fails."""
+
+    async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
+        """Send `records` (all of one lane, in order) as one request, all or
+        nothing: returns once Iggy confirmed them, else raises UplinkError
+        (with nothing `confirmed`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ Timestamps
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 
 from apache_iggy import SendMessage
@@ -19,7 +20,7 @@ from apache_iggy import SendMessage
 from ...config import IggySettings
 from ...records import OutboundRecord
 from ..partition import KeyPartitioner, by_topic, record_problem, wire_headers
-from ..protocol import UplinkRejected, UplinkUnavailable
+from ..protocol import Lane, UplinkError, UplinkRejected, UplinkUnavailable
 from .connection import ClientFactory, Connection
 from .errors import is_not_found
 from .topics import Topics
@@ -39,6 +40,14 @@ class IggyUplink:
     in one group, so a key is never split.  Groups are sent one after the
     other; the first failure stops the batch and is raised with `confirmed`
     holding the seqs of the groups sent before it.
+
+    As a `LanedUplink` (what the forwarder uses) each (stream, topic,
+    partition) is a lane with its own connection, so requests to different
+    partitions run side by side: the server answers one request at a time
+    per connection.  The connections are made on a lane's first send, at
+    most ``settings.uplink_connections`` of them (lanes beyond share them, a
+    lock keeping one request per connection); topic lookups and creation go
+    over the first connection.
     """
 
     def __init__(
@@ -55,6 +64,10 @@ class IggyUplink:
         self._topics = Topics(self._conn)
         self._wanted = tuple(dict.fromkeys(topics))
         self._partitioner = KeyPartitioner()
+        self._factory = client_factory
+        self._lane_conns: dict[Lane, _LaneConnection] = {}
+        self._pool: list[_LaneConnection] = []
+        self._probe_from: Connection | None = None  # the lane connection that failed last
 
     async def start(self) -> None:
         """Connect and log in (within connect_timeout_s) and make sure the
@@ -71,11 +84,43 @@ class IggyUplink:
             done = frozenset(confirmed)
             count = await self._topics.partitions(stream, topic, confirmed=done)
             for partition, group in self._partitioner.split(stream, topic, count, records):
-                await self._send_group(stream, topic, partition, group, frozenset(confirmed))
+                await self._send_group(self._conn, stream, topic, partition, group, frozenset(confirmed))
                 confirmed.extend(r.seq for r in group)
+
+    async def lanes(self, batch: Sequence[OutboundRecord]) -> list[tuple[Lane, list[OutboundRecord]]]:
+        return await self._partitioner.lanes(batch, self._partitions)
+
+    async def _partitions(self, stream: str, topic: str) -> int:
+        return await self._topics.partitions(stream, topic)
+
+    async def send_lane(self, lane: Lane, records: Sequence[OutboundRecord]) -> None:
+        stream, topic, partition = lane
+        lc = self._lane_connection(lane)
+        async with lc.lock:
+            try:
+                await self._send_group(lc.conn, stream, topic, partition, list(records), frozenset())
+            except UplinkError:
+                # The recovery probe looks from where this connection goes
+                # next (the node after the one that stopped answering), as
+                # with one connection; see `reachable`.
+                self._probe_from = lc.conn
+                raise
+
+    def _lane_connection(self, lane: Lane) -> _LaneConnection:
+        lc = self._lane_conns.get(lane)
+        if lc is None:
+            if len(self._pool) < self.settings.uplink_connections:
+                role = f"uplink lane {len(self._pool) + 1}"
+                lc = _LaneConnection(Connection(self.settings, role, self._factory))
+                self._pool.append(lc)
+            else:
+                lc = self._pool[len(self._lane_conns) % len(self._pool)]
+            self._lane_conns[lane] = lc
+        return lc
 
     async def _send_group(
         self,
+        conn: Connection,
         stream: str,
         topic: str,
         partition: int,
@@ -90,10 +135,10 @@ class IggyUplink:
                 f"iggy: records Iggy cannot carry in {stream}/{topic}: {bad or e}",
                 confirmed=confirmed,
             ) from e
-        client = await self._conn.client()
+        client = await conn.client()
         what = f"send {len(group)} to {stream}/{topic}/{partition}"
         try:
-            await self._conn.call(
+            await conn.call(
                 what,
                 client.send_messages(stream, topic, partition, messages),
                 confirmed=confirmed,
@@ -109,9 +154,13 @@ class IggyUplink:
     async def reachable(self, timeout: float) -> bool:
         """Whether some node accepts a TCP connection now (the forwarder's
         recovery probe); the next connect starts at the first such node."""
-        node = await self._conn.reachable(timeout)
+        node = await (self._probe_from or self._conn).reachable(timeout)
         if node is not None:
-            self._conn.prefer(node)
+            # Every lane starts its next connect there: a lane left on a node
+            # that accepts connections but does not answer would otherwise
+            # be sent back to it by each probe.
+            for conn in (self._conn, *(lc.conn for lc in self._pool)):
+                conn.prefer(node)
         return node is not None
 
     @property
@@ -120,7 +169,17 @@ class IggyUplink:
         return self._conn.node
 
     async def close(self) -> None:
+        for lc in self._pool:
+            await lc.conn.close()
         await self._conn.close()
+
+
+class _LaneConnection:
+    """A lane's connection and the lock that keeps one request on it."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = asyncio.Lock()
 
 
 class IggyCommandSink:
