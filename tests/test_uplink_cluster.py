@@ -373,6 +373,59 @@ def restart_killed_node(node: IggyServer) -> str:
 
 
 @pytest.mark.iggy
+async def test_return_poll_resumes_within_seconds_of_a_long_cut(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    """The return path's backoff (poll interval doubling to 30 s) with a 12 s
+    cut: without the probe the next poll could come up to 16 s after the
+    link returns; with it, within a probe interval (0.5-1 s) plus a connect.
+    The command is written straight to the server while the agent's link is
+    still cut, so its delivery time measures the poll's recovery."""
+    proxy = await TcpProxy("127.0.0.1", iggy_server.port).start()
+    settings = agent_settings(
+        tmp_path, broker, [proxy.address], iggy_server, downlink={"enabled": True, "poll_interval_s": 0.5}
+    )
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
+    direct = iggy_settings([iggy_server.address], iggy_server.username, iggy_server.password)
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 15)
+        await wait_subscribed(agent)
+        first = make_command("dev-r", "go", {"i": 0})
+        await send_command(
+            direct, "edge", commands_topic(settings), partition_of("dev-r", settings), first.wire()
+        )
+        await async_wait_until(lambda: first.id in dev.ids(), 30, what="a command before the cut")
+        errors = agent.metrics.value("iggy_edge_downlink_errors_total", kind="poll")
+        await proxy.cut()
+        cut_at = time.monotonic()
+        await async_wait_until(
+            lambda: agent.metrics.value("iggy_edge_downlink_errors_total", kind="poll") >= errors + 4,
+            30,
+            what="the return poll backing off",
+        )
+        await asyncio.sleep(max(0.0, 12.0 - (time.monotonic() - cut_at)))
+        cmd = make_command("dev-r", "go", {"i": 1})
+        await send_command(
+            direct, "edge", commands_topic(settings), partition_of("dev-r", settings), cmd.wire()
+        )
+        await proxy.restore()
+        back_at = time.monotonic()
+        await async_wait_until(
+            lambda: cmd.id in dev.ids(), 30, interval=0.05, what="the command after the cut"
+        )
+        resumed = time.monotonic() - back_at
+        print(f"\nreturn path after a 12 s cut: command delivered {resumed:.2f} s after the link returned")
+        assert resumed < 5.0, f"delivered {resumed:.1f}s after the link returned"
+    finally:
+        await dev.stop()
+        agent.stop()
+        await asyncio.wait_for(task, 20)
+        await proxy.stop()
+
+
+@pytest.mark.iggy
 async def test_cluster_node_in_use_is_killed_under_load(
     tmp_path: Path, broker: Broker, iggy_cluster: IggyCluster
 ) -> None:

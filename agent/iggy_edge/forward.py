@@ -35,15 +35,11 @@ duplicates: Iggy confirmed a batch but deleting it from the outbox failed
 out again -- counted in `iggy_edge_forward_resent_records_total`.  Both
 carry the same message ids.
 
-Recovery probe: the backoff grows to `backoff_max_s` (30 s), so after a long
-outage the next attempt could come up to 30 s after the link returned.  When
-the uplink can tell whether its server is reachable (`RecoveryProbe`, a bare
-TCP connect to each known node for Iggy), a wait longer than a probe interval
-is spent probing every 0.5-1 s (uniformly jittered, so a fleet that lost the
-same cluster does not probe in step); once a probe that found nothing
-reachable is followed by one that finds a node, the wait ends and the batch
-is retried at once.  A failure while the node was reachable (a refused login,
-a server still starting) is not cut short: the backoff protects it.
+Recovery probe (`probe.py`): the backoff grows to `backoff_max_s` (30 s), so
+after a long outage the next attempt could come up to 30 s after the link
+returned; an uplink that can tell whether its server is reachable (a bare
+TCP connect to each known Iggy node) is probed every 0.5-1 s meanwhile, and
+the batch is retried as soon as the server is back.
 """
 
 from __future__ import annotations
@@ -51,16 +47,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final, Protocol, runtime_checkable
+from typing import Final
 
 from .backoff import backoff_delay
 from .config import ForwardSettings
 from .logs import RateLimitedLog
 from .metrics import Metrics
+from .probe import backoff_wait
 from .records import OutboundRecord
 from .stages import OutboxReader
 from .timeouts import wait_for
@@ -68,19 +64,8 @@ from .uplink.protocol import Lane, LanedUplink, Uplink, UplinkAmbiguous, UplinkE
 
 log = logging.getLogger(__name__)
 
-# Seconds between recovery probes while the uplink is down (uniform draw),
-# and how long one probe waits for a TCP connect.
-PROBE_INTERVAL_S: Final = (0.5, 1.0)
-PROBE_TIMEOUT_S: Final = 0.5
 # Payload bytes read ahead of the confirmations, in batches (batch_bytes).
 IN_FLIGHT_BATCHES_BYTES: Final = 4
-
-
-@runtime_checkable
-class RecoveryProbe(Protocol):
-    """An uplink that can cheaply tell whether its server is reachable."""
-
-    async def reachable(self, timeout: float) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -376,28 +361,11 @@ class Forwarder:
         delay = backoff_delay(
             self._failures - 1, self._settings.backoff_initial_s, self._settings.backoff_max_s
         )
-        if isinstance(self._uplink, RecoveryProbe) and delay > PROBE_INTERVAL_S[1]:
-            await self._probe_until(self._uplink, time.monotonic() + delay)
-            return
-        await self._wait(delay)
+        if await backoff_wait(self._uplink, delay, self._wait):
+            log.info("uplink: the probe reaches the server again; retrying now")
 
     async def _wait(self, seconds: float) -> bool:
         """Sleep `seconds` or until stop(); True when stopping."""
         with contextlib.suppress(TimeoutError):
             await wait_for(self._stopping.wait(), seconds)
         return self._stopping.is_set()
-
-    async def _probe_until(self, probe: RecoveryProbe, deadline: float) -> None:
-        """Wait until `deadline`, or until the probe sees the link come back."""
-        seen_down = False
-        while True:
-            left = deadline - time.monotonic()
-            step = random.uniform(*PROBE_INTERVAL_S)  # noqa: S311 - jitter, not crypto
-            if left <= 0 or await self._wait(min(left, step)) or time.monotonic() >= deadline:
-                return
-            if await probe.reachable(PROBE_TIMEOUT_S):
-                if seen_down:
-                    log.info("uplink: the probe reaches the server again; retrying now")
-                    return
-            else:
-                seen_down = True

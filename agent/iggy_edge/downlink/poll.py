@@ -18,7 +18,9 @@
   counted (``iggy_edge_downlink_inbox_full``).  A poll never takes more than
   the room left.
 * Iggy down: polls fail (bounded by the adapter), are counted and retried
-  with backoff; delivery of what is already in the inbox goes on.
+  with backoff; delivery of what is already in the inbox goes on.  A long
+  backoff is spent probing the nodes (`probe.py`, a TCP connect every
+  0.5-1 s), so polling resumes within about a second of the link returning.
 
 Cadence (what it costs the Iggy server): a poll of an empty partition and a
 look at a topic's partitions (`CommandSource.last_offsets`, one GET_TOPIC for
@@ -54,6 +56,7 @@ from ..backoff import backoff_delay
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
+from ..probe import backoff_wait
 from ..stages import DeadLetterSink
 from ..timeouts import wait_for
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
@@ -150,7 +153,8 @@ class ReturnPoll:
                     e,
                     delay,
                 )
-                await asyncio.sleep(delay)
+                if await backoff_wait(self._source, delay):
+                    log.info("return poll: the probe reaches Iggy again; polling now")
                 continue
             failures = 0
             await self._mirror_all()

@@ -103,6 +103,14 @@ class IggyCommandSource:
             return None
         return {p.id: p.current_offset if p.messages_count else -1 for p in details.partitions}
 
+    async def reachable(self, timeout: float) -> bool:
+        """Whether some node accepts a TCP connection now (the return poll's
+        recovery probe, `probe.py`); the next connect starts at that node."""
+        node = await self._conn.reachable(timeout)
+        if node is not None:
+            self._conn.prefer(node)
+        return node is not None
+
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
         await store_consumer_offset(self._conn, self.consumer_name, stream, topic, partition_id, offset)
 

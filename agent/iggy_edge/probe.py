@@ -1,0 +1,63 @@
+"""Recovery probe: end a long backoff as soon as the server is reachable again.
+
+A backoff grows to tens of seconds, so after a long outage the next attempt
+could come that long after the link returned.  A stage whose remote end can
+tell cheaply whether it is reachable (`RecoveryProbe`: a bare TCP connect to
+each known Iggy node) spends a wait longer than a probe interval probing
+every 0.5-1 s, uniformly jittered so a fleet that lost the same cluster does
+not probe in step.  Once a probe that found nothing reachable is followed by
+one that finds a node, the wait ends and the stage retries at once.  A
+failure while the node was reachable (a refused login, a server still
+starting) is not cut short: the backoff protects it.
+
+Used by the forwarder (uplink) and the return poll (command source).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final, Protocol, runtime_checkable
+
+# Seconds between recovery probes while the remote end is down (uniform
+# draw), and how long one probe waits for a TCP connect.
+PROBE_INTERVAL_S: Final = (0.5, 1.0)
+PROBE_TIMEOUT_S: Final = 0.5
+
+
+@runtime_checkable
+class RecoveryProbe(Protocol):
+    """A remote end that can cheaply tell whether its server is reachable."""
+
+    async def reachable(self, timeout: float) -> bool: ...
+
+
+async def _sleep(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return False
+
+
+async def backoff_wait(
+    target: object, delay: float, wait: Callable[[float], Awaitable[bool]] = _sleep
+) -> bool:
+    """Wait `delay` seconds, probing when `target` is a RecoveryProbe and the
+    delay is longer than a probe interval.  `wait(seconds)` sleeps and says
+    whether the stage is stopping.  True when the probe saw the server come
+    back (the wait was cut short), False otherwise."""
+    if not isinstance(target, RecoveryProbe) or delay <= PROBE_INTERVAL_S[1]:
+        await wait(delay)
+        return False
+    deadline = time.monotonic() + delay
+    seen_down = False
+    while True:
+        left = deadline - time.monotonic()
+        step = random.uniform(*PROBE_INTERVAL_S)  # noqa: S311 - jitter, not crypto
+        if left <= 0 or await wait(min(left, step)) or time.monotonic() >= deadline:
+            return False
+        if await target.reachable(PROBE_TIMEOUT_S):
+            if seen_down:
+                return True
+        else:
+            seen_down = True
