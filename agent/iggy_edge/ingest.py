@@ -33,8 +33,12 @@
 * Redelivery: a message the broker re-sends (DUP) that we had already
   committed (we died between commit and PUBACK) is recognised by (topic,
   device sequence, payload CRC) and acknowledged without a second record, so
-  it keeps its original message id.  Messages without a device sequence are
-  stored again (at-least-once); see docs/consumers.md.
+  it keeps its original message id.  With receipts on (receipts.py) every
+  message with a device sequence is checked, DUP or not: devices re-send
+  what no receipt covered yet, as new publishes.  A recognised message is
+  shown to the observers again (its receipt may have been lost).  Messages
+  without a device sequence are stored again (at-least-once); see
+  docs/consumers.md.
 * Lost session: CONNACK says whether the broker still had our session.  When
   it had forgotten one the agent had (in this process, or in an earlier one:
   the outbox's meta table remembers the client id), the messages it queued
@@ -119,6 +123,9 @@ class Ingest:
         # committed, before the acknowledgement; the return path watches
         # device acks here.  Observers must be quick and must not raise.
         self.observers: list[Callable[[str, bytes], None]] = []
+        # Recognise copies without the DUP flag too (devices re-send what no
+        # receipt covered: receipts.py).
+        self.recognise_resends = settings.receipts.enabled
         # Called (quick, must not raise) when the broker had forgotten our
         # session: the return path restores the retained configs then.
         self.session_lost_observers: list[Callable[[], None]] = []
@@ -380,13 +387,21 @@ class Ingest:
             return done
         assert isinstance(topic, str)  # a bytes topic never routes
         dseq = device_seq_of(payload)
-        if properties.get("dup") and dseq is not None and self._outbox.seen(topic, dseq, zlib.crc32(payload)):
+        if (
+            dseq is not None
+            and (self.recognise_resends or properties.get("dup"))
+            and self._outbox.seen(topic, dseq, zlib.crc32(payload))
+        ):
             self._flush_counts()
-            log.info(
-                "redelivered message on %s (device seq %d) was already committed: not stored twice",
+            self._metrics.ingest_known_copies.inc()
+            log.log(
+                logging.INFO if properties.get("dup") else logging.DEBUG,
+                "message on %s (device seq %d) was already committed: not stored twice",
                 topic,
                 dseq,
             )
+            for observe in self.observers:
+                observe(topic, payload)
             return None
         return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
 

@@ -35,6 +35,11 @@ DEFAULTS = {
     "auth_backoff_max_ms": 900000,
     "socket_timeout_s": 10,
     "drain_per_poll": 32,
+    # keep readings in flash until the gateway's receipt covers them (not
+    # only until the broker's PUBACK); with none for receipt_timeout_ms
+    # while readings wait, fall back to PUBACK until a receipt arrives
+    "receipts": True,
+    "receipt_timeout_ms": 30000,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
     "period_ms": 10000,
     "cycles": 0,  # 0 = run forever; tests and the bench set a count
@@ -79,6 +84,7 @@ class Config:
             "upload_every",
             "cursor_every",
             "socket_timeout_s",
+            "receipt_timeout_ms",
         ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")

@@ -14,6 +14,9 @@
 #   publish, from inside the wait for PUBACK.  Publishing from that callback
 #   would nest a second PUBACK wait and swallow the first, so the callback only
 #   queues; ``poll()`` handles the queue afterwards.
+# - Receipts (receipts.py, on by default): readings stay in the ring after
+#   PUBACK until the gateway's receipt covers them; a new connection re-sends
+#   from the oldest unreceipted one.
 # - Commands: run once per id (recent ids persisted with their ack), ack on
 #   up/ack through the same buffered path as telemetry, so an ack survives a
 #   lost connection too.
@@ -26,6 +29,7 @@ from umqtt.simple import MQTTClient, MQTTException
 from . import codec
 from .backoff import Backoff
 from .dedupe import RecentCommands
+from .receipts import Receipts
 from .ring import Ring
 from .seq import Sequence
 from . import fsutil
@@ -142,6 +146,7 @@ class Device:
         self._up = {}
         self._config_path = d + "/desired.json"
         self._config_raw = fsutil.read(self._config_path)
+        self.receipts = Receipts(self)
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -284,6 +289,7 @@ class Device:
         d["heap_free"] = free
         d["heap_alloc"] = alloc
         d["reset"] = self.reset_cause
+        self.receipts.diag(d)
         for k in self.stats:
             d[k] = self.stats[k]
         return d
@@ -301,16 +307,26 @@ class Device:
         return t
 
     def _send(self, channel, payload):
-        if self._client is not None and not len(self.ring):
+        ring = self.ring
+        if self._client is not None and not len(ring) and not ring.hold:
             try:
                 self._pub(channel, payload)
                 return
             except NET_ERRORS as e:
                 self._lost(e)
-        lost = self.ring.append(channel, payload)
-        self.stats["buffered"] += 1
+        if self._client is None or ring.unsent():
+            self.stats["buffered"] += 1  # waits for a connection or behind others
+        evicted = ring.evicted
+        lost = ring.append(channel, payload)
         if lost:
-            self.log("buffer full: dropped", lost, "oldest readings, total", self.ring.dropped)
+            self.log("buffer full: dropped", lost, "oldest readings, total", ring.dropped)
+        if ring.evicted != evicted:
+            self.receipts.before_send(None, True)
+        if ring.hold and self._client is not None:
+            try:  # held until its receipt: send it now, behind anything unsent
+                self._drain(self.cfg.drain_per_poll)
+            except NET_ERRORS as e:
+                self._lost(e)
 
     def _pub(self, channel, payload):
         c = self._client
@@ -321,6 +337,8 @@ class Device:
         self.stats["sent"] += 1
 
     def _drain(self, limit):
+        if self._client is not None:
+            self.receipts.before_send(self._client)
         n = 0
         while n < limit and self._client is not None:
             rec = self.ring.peek()
@@ -428,6 +446,8 @@ class Device:
                 self._handle_command(msg)
             elif topic == self._b_config:
                 self._handle_config(msg)
+            elif topic == self.receipts.topic_b:
+                self.receipts.handle(msg)
             gc.collect()
 
     def _handle_command(self, raw):

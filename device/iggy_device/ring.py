@@ -22,10 +22,41 @@
 #   leftover file below the head is removed at open.
 # - Only the segment list (a few small lists) is held in RAM; records are read
 #   one line at a time.
+# - Receipts (``hold``): a sent record (PUBACK) stays in flash until the
+#   gateway's receipt covers it.  Two cursors: the send cursor (RAM only) is
+#   where ``peek()`` reads; the read cursor in ``meta`` is the receipt's.
+#   ``release(seq, crc)`` walks the held records and moves the read cursor
+#   past the one the receipt names (and the seq-less command acks right after
+#   it); a receipt that names no held record releases nothing.  ``rewind()``
+#   sends again from the read cursor (every new connection: the broker may
+#   have lost what it acknowledged).  A seq-less record sent with nothing held
+#   before it leaves at PUBACK (no receipt can name it).  Without ``hold``
+#   both cursors move together at ``pop()``, as before receipts.
 import json
 import os
 
 from . import fsutil
+
+try:
+    from binascii import crc32
+except ImportError:  # a port built without it: receipts are matched by seq only
+    crc32 = None
+
+_SEQ = b'"seq":'
+
+
+def seq_of(payload):
+    """The ``"seq": n`` of a reading payload (bytes), or None (command acks
+    carry none).  MicroPython's json does not keep key order: search."""
+    i = payload.find(_SEQ)
+    if i < 0:
+        return None
+    i += len(_SEQ)
+    j = i
+    n = len(payload)
+    while j < n and 48 <= payload[j] <= 57:
+        j += 1
+    return int(payload[i:j]) if j > i else None
 
 
 class Ring:
@@ -38,10 +69,14 @@ class Ring:
         self.segment_bytes = segment_bytes
         self.max_segments = max_bytes // segment_bytes
         self.cursor_every = cursor_every
+        # hold: keep sent records until release() (a receipt) covers them;
+        # off: a sent record leaves at pop() (the broker's PUBACK)
+        self.hold = False
         fsutil.makedirs(dir)
         meta = self._load_meta()
         head = meta.get("h", 0)
         self.dropped = meta.get("d", 0)
+        self.evicted = 0  # held records that had to go before their receipt
         self._off = meta.get("o", 0)
         self._read = meta.get("r", 0)
         names = []
@@ -67,16 +102,26 @@ class Ring:
             self._read = self._segs[0][2]
         self._tail_torn = torn
         self._next_n = self._segs[-1][0] + 1 if self._segs else head
-        self._reader = None
+        self._reader = None  # open on the send cursor's segment
         self._peeked = 0
+        self._peek_seq = None
         self._unsaved = 0
+        self.rewind()
 
     # -- queries -----------------------------------------------------------
     def __len__(self):
+        """Records still in the ring: unsent, and sent but not released."""
         n = -self._read
         for s in self._segs:
             n += s[2]
         return n
+
+    def unsent(self):
+        return len(self) - self._unreceipted
+
+    def unreceipted(self):
+        """Records sent (PUBACK) and held for a receipt."""
+        return self._unreceipted
 
     def bytes_used(self):
         n = 0
@@ -85,7 +130,13 @@ class Ring:
         return n
 
     def stats(self):
-        return {"buffered": len(self), "bytes": self.bytes_used(), "dropped": self.dropped}
+        return {
+            "buffered": len(self),
+            "bytes": self.bytes_used(),
+            "dropped": self.dropped,
+            "unreceipted": self._unreceipted,
+            "evicted": self.evicted,
+        }
 
     # -- writer ------------------------------------------------------------
     def append(self, channel, payload):
@@ -110,47 +161,122 @@ class Ring:
             f.write(line)
         tail[1] += n
         tail[2] += 1
-        if tail is self._segs[0]:
+        if tail is self._segs[self._si]:
             self._close_reader()  # a cached reader may not see the new line
         return lost
 
-    # -- reader ------------------------------------------------------------
+    # -- reader (the send cursor) ------------------------------------------
     def peek(self):
-        """Oldest unread record as (channel, payload bytes), or None.  It
-        stays in the ring until ``pop()`` confirms it was delivered."""
+        """Oldest unsent record as (channel, payload bytes), or None.  It
+        stays in the ring until ``pop()`` confirms it was delivered (and,
+        with ``hold``, until ``release()`` covers it)."""
         while self._segs:
-            head = self._segs[0]
-            if self._read >= head[2]:
-                if len(self._segs) == 1:
+            seg = self._segs[self._si]
+            if self._sread >= seg[2]:
+                if self._si + 1 >= len(self._segs):
                     return None
-                self._finish_head()
+                self._close_reader()
+                self._si += 1
+                self._soff = self._sread = 0
                 continue
             if self._reader is None:
-                self._reader = open(self._path(head[0]), "rb")
-                self._reader.seek(self._off)
+                self._reader = open(self._path(seg[0]), "rb")
+                self._reader.seek(self._soff)
             line = self._reader.readline()
             if not line.endswith(b"\n"):
                 # count said there was a complete line: the file changed
                 # under us (or was torn); treat the segment as finished
-                head[2] = self._read
+                seg[2] = self._sread
                 continue
             self._peeked = len(line)
             i = line.find(b" ")
-            return line[:i].decode(), line[i + 1 : -1]
+            payload = line[i + 1 : -1]
+            self._peek_seq = seq_of(payload)
+            return line[:i].decode(), payload
         return None
 
     def pop(self):
+        """The peeked record was sent (PUBACK)."""
         if not self._peeked:
             raise ValueError("ring: pop() without peek()")
-        self._off += self._peeked
+        self._soff += self._peeked
         self._peeked = 0
-        self._read += 1
-        self._unsaved += 1
-        head = self._segs[0]
-        if self._read >= head[2]:
-            self._finish_head()  # drained segments leave flash at once
-        elif self._unsaved >= self.cursor_every:
-            self._save_meta()
+        self._sread += 1
+        if not self.hold or (self._unreceipted == 0 and self._peek_seq is None):
+            # PUBACK is enough: without hold, or for a record without seq
+            # (a command ack: no receipt can name it) with nothing held before it
+            self._release_to(self._si, self._soff, self._sread)
+        else:
+            self._unreceipted += 1
+
+    def rewind(self):
+        """Send again from the oldest held record (after a reconnect: the
+        broker may have lost what it acknowledged)."""
+        self._close_reader()
+        self._si = 0
+        self._soff = self._off
+        self._sread = self._read
+        self._peeked = 0
+        self._unreceipted = 0
+
+    def release(self, seq, crc=None):
+        """A receipt: the gateway holds the record with this ``seq`` (and
+        payload CRC-32 ``crc``) durably, and everything sent before it.
+        Releases the records up to it, plus the seq-less ones that follow it;
+        returns how many.  The record may lie past the send cursor (a receipt
+        that arrives after a reconnect's rewind): the send cursor skips it
+        then.  A receipt that names no record in the ring (an old one, or one
+        for a sequence the device has since reset) releases nothing."""
+        if not len(self):
+            return 0
+        pos = None
+        lead = True
+        found = False
+        i, off, read = 0, self._off, self._read
+        while i < len(self._segs):
+            seg = self._segs[i]
+            end = seg[2]
+            if read < end:
+                with open(self._path(seg[0]), "rb") as f:
+                    f.seek(off)
+                    while read < end:
+                        line = f.readline()
+                        if not line.endswith(b"\n"):
+                            break
+                        off += len(line)
+                        read += 1
+                        payload = line[line.find(b" ") + 1 : -1]
+                        s = seq_of(payload)
+                        if s is None:
+                            if lead and self._before_send(i, read):  # sent: PUBACK covers it
+                                pos = (i, off, read)
+                        elif not found and s == seq and (crc is None or crc32 is None or crc32(payload) == crc):
+                            found = True
+                            lead = True
+                            pos = (i, off, read)
+                        else:
+                            lead = False
+                            if found:
+                                break
+            if found and not lead:
+                break
+            i += 1
+            off = read = 0
+        if not found or pos is None:
+            return 0
+        before = len(self)
+        self._release_to(pos[0], pos[1], pos[2])
+        return before - len(self)
+
+    def _before_send(self, i, read):
+        return i < self._si or (i == self._si and read <= self._sread)
+
+    def release_all(self):
+        """Release every sent record (falling back to PUBACK)."""
+        n = self._unreceipted
+        if n:
+            self._release_to(self._si, self._soff, self._sread)
+        return n
 
     def flush(self):
         """Persist the read cursor (call before deep sleep or reset)."""
@@ -165,6 +291,7 @@ class Ring:
             self._off = self._read = 0
             self._save_meta()
             fsutil.remove(self._path(n))
+        self.rewind()
 
     # -- internals -----------------------------------------------------------
     def _path(self, n):
@@ -173,20 +300,65 @@ class Ring:
     def _head_number(self):
         return self._segs[0][0] if self._segs else self._next_n
 
+    def _release_to(self, si, off, read):
+        """Move the read (receipt) cursor to (segment index, offset, records
+        read).  Records released before the send cursor were held."""
+        if si > self._si or (si == self._si and read >= self._sread):
+            # at or past the send cursor: nothing stays held, send from here
+            self._close_reader()
+            self._si, self._soff, self._sread = si, off, read
+            self._peeked = 0
+            self._unreceipted = 0
+            held = False
+        else:
+            held = True
+        n = 0
+        while si > 0:
+            n += self._segs[0][2] - self._read
+            self._finish_head()
+            si -= 1
+        n += read - self._read
+        self._off = off
+        self._read = read
+        if held:
+            self._unreceipted -= n
+        self._unsaved += n
+        while self._segs and self._read >= self._segs[0][2]:
+            if self._si == 0:
+                # the send cursor is at the end of this segment too
+                self._close_reader()
+                self._si = 1
+                self._soff = self._sread = 0
+            self._finish_head()  # drained segments leave flash at once
+        if self._unsaved >= self.cursor_every:
+            self._save_meta()
+
     def _finish_head(self):
-        self._close_reader()
+        if self._si == 0:
+            self._close_reader()
         n = self._segs.pop(0)[0]
+        self._si -= 1
         self._off = self._read = 0
         self._save_meta()
         fsutil.remove(self._path(n))
 
     def _drop_head(self):
-        self._close_reader()
+        # Held records (sent, PUBACK, no receipt yet) in the dropped segment
+        # are ``evicted``, not ``dropped``: the broker acknowledged them.
         n, _size, count = self._segs.pop(0)
-        lost = count - self._read
+        if self._si == 0:
+            self._close_reader()
+            sent = self._sread - self._read
+            self._soff = self._sread = 0
+            self._peeked = 0
+        else:
+            sent = count - self._read
+            self._si -= 1
+        self._unreceipted -= sent
+        self.evicted += sent
+        lost = count - self._read - sent
         self.dropped += lost
         self._off = self._read = 0
-        self._peeked = 0
         self._save_meta()
         fsutil.remove(self._path(n))
         return lost

@@ -1,0 +1,102 @@
+# Receipts: a reading leaves the flash ring only when the gateway has it on
+# disk, not when the broker answered PUBACK.
+#
+# The gateway publishes, retained, QoS0, on {prefix}/{device}/down/receipt:
+#   {"seq": n, "crc": c}   the newest reading of this device it holds durably
+#                          (seq and the CRC-32 of its payload)
+# Naming the record by seq *and* CRC means a receipt can only release the
+# reading it was made for: after a sequence reset (a new board, a damaged
+# seq file) an old receipt names no record in the ring and releases nothing.
+#
+# - Every reading goes through the ring (``Ring.hold``); after PUBACK it stays
+#   there, held, until a receipt covers it (``Ring.release``).
+# - Each new connection re-sends from the oldest held reading, with its
+#   original seq (the broker may have lost what it acknowledged); the gateway
+#   recognises a copy by (topic, seq, CRC), stores it once and keeps its id.
+#   The retained receipt arrives with the subscription and usually releases
+#   most of what would be re-sent.
+# - Fallback (an older gateway, or receipts turned off there): when readings
+#   are held and no receipt came for ``receipt_timeout_ms`` (or the ring
+#   filled before the first receipt), everything held is released and PUBACK
+#   is enough again (mode "off", in ``diag``), until a receipt arrives.
+# - Memory: a few ints; the held records stay in flash.
+import json
+import time
+
+
+class Receipts:
+    def __init__(self, dev):
+        cfg = dev.cfg
+        self.dev = dev
+        self.on = cfg.receipts
+        self.topic = cfg.topic_prefix + "/" + cfg.device_id + "/down/receipt"
+        self.topic_b = self.topic.encode()
+        # "waiting" (none seen yet), "on", "off" (PUBACK is enough)
+        self.mode = "waiting" if self.on else "off"
+        dev.ring.hold = self.on
+        self.since = time.ticks_ms()  # oldest held reading sent, or the last receipt
+        self.session = None  # the client set up for sending (rewound, subscribed)
+        self.n = [0, 0, 0, -1]  # receipts, released, fallbacks, last lag ms
+
+    def before_send(self, client, evicted=False):
+        """Before the ring drains on ``client`` (and after an append that
+        had to evict held readings)."""
+        ring = self.dev.ring
+        if client is not self.session and client is not None:
+            # the first send on a new connection
+            self.session = client
+            ring.rewind()
+            if self.on:
+                client.subscribe(self.topic, 0)
+        if not ring.hold:
+            return
+        if not ring.unreceipted():
+            self.since = time.ticks_ms()  # the next held reading starts the clock
+        elif evicted and self.mode == "waiting":
+            self._off("the ring filled before any receipt")
+        elif time.ticks_diff(time.ticks_ms(), self.since) > self.dev.cfg.receipt_timeout_ms:
+            self._off("none in receipt_timeout_ms")
+
+    def _off(self, why):
+        ring = self.dev.ring
+        n = ring.release_all()
+        ring.hold = False
+        self.mode = "off"
+        self.n[2] += 1
+        self.dev.log("receipts:", why, "-", n, "held readings released; PUBACK is enough until a receipt")
+
+    def handle(self, raw):
+        ring = self.dev.ring
+        try:
+            doc = json.loads(raw)
+            seq = doc["seq"]
+            crc = doc.get("crc")
+            seq + 0
+            if crc is not None:
+                crc + 0
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if raw:  # an empty retained message clears the receipt: nothing to do
+                self.dev.stats["bad_messages"] += 1
+                self.dev.log("bad receipt:", repr(e))
+            return
+        self.n[0] += 1
+        if self.on and self.mode != "on":
+            self.mode = "on"
+            ring.hold = True
+        held = ring.unreceipted()
+        k = ring.release(seq, crc)
+        now = time.ticks_ms()
+        if k:
+            self.n[1] += k
+            if held:
+                self.n[3] = time.ticks_diff(now, self.since)
+        if k or not held:
+            self.since = now
+
+    def diag(self, d):
+        n = self.n
+        d["receipt_mode"] = self.mode
+        d["receipts"] = n[0]
+        d["released"] = n[1]
+        d["receipt_fallbacks"] = n[2]
+        d["receipt_lag_ms"] = n[3]
