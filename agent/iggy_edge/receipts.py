@@ -63,8 +63,9 @@ MAX_DEVICES: Final = 100_000
 IDLE_FORGET_S: Final = 600.0
 HOUSEKEEPING_S: Final = 5.0
 
-# publish(topic, payload) -> False when it could not go out now (no session)
-Publish = Callable[[str, bytes], bool]
+# publish(topic, payload, retain) -> False when it could not go out now (no session)
+Publish = Callable[[str, bytes, bool], bool]
+NOTHING: Final = b'{"seq":-1}'  # "listening, nothing of yours is durable here" (never retained)
 _OnConfirmed = Callable[[Sequence[OutboundRecord]], None]
 
 
@@ -78,6 +79,7 @@ class _Device:
     committed_at: float = 0.0  # monotonic: the last record committed (iggy mode: not yet confirmed)
     timer: asyncio.TimerHandle | None = None
     unconfirmed: int = 0  # iggy mode: records committed and not yet confirmed
+    last: bytes = NOTHING  # the last receipt published
 
     @property
     def pending(self) -> bool:
@@ -108,6 +110,8 @@ class Receipts:
         Quick and never raising: it runs in ingest's acknowledgement."""
         dev_id = self._device_of(topic)
         if dev_id is None:
+            if payload == b"online":
+                self._online(topic)
             return
         seq = device_seq_of(payload)
         if seq is None:
@@ -151,6 +155,21 @@ class Receipts:
             return None
         return topic[len(prefix) : i]
 
+    def _online(self, topic: str) -> None:
+        """A device (re)connected: it sends nothing until a receipt shows the
+        gateway listens (device/iggy_device/receipts.py), so send it one now."""
+        prefix = self._prefix
+        if not topic.startswith(prefix) or not topic.endswith("/status"):
+            return
+        dev_id = topic[len(prefix) : -len("/status")]
+        if not dev_id or "/" in dev_id:
+            return
+        dev = self._device(dev_id)
+        if dev.pending:
+            self._send(dev, time.monotonic())
+        elif self._publish(dev.topic, dev.last, dev.last is not NOTHING):
+            self._metrics.receipts_sent.inc()
+
     def _device(self, dev_id: str) -> _Device:
         dev = self._devices.get(dev_id)
         if dev is None:
@@ -176,7 +195,7 @@ class Receipts:
 
     def _send(self, dev: _Device, now: float) -> None:
         payload = b'{"seq":%d,"crc":%d}' % (dev.seq, dev.crc)
-        if not self._publish(dev.topic, payload):
+        if not self._publish(dev.topic, payload, True):
             # no MQTT session now: try again after the interval
             if dev.timer is None:
                 dev.timer = asyncio.get_running_loop().call_later(
@@ -186,6 +205,7 @@ class Receipts:
         self._metrics.receipts_sent.inc()
         self._metrics.receipts_lag.observe(now - dev.since)
         dev.sent_at = now
+        dev.last = payload
         dev.seq = -1
 
     def _forget(self, now: float, keep: int = MAX_DEVICES) -> None:

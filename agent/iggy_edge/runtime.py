@@ -143,15 +143,15 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
-    def _publish_receipt(self, topic: str, payload: bytes) -> bool:
-        """QoS0, retained, on ingest's session (receipts.py says why);
-        False while there is no session."""
+    def _publish_receipt(self, topic: str, payload: bytes, retain: bool) -> bool:
+        """QoS0 on ingest's session (receipts.py says why); False while
+        there is no session."""
         ingest = self.ingest
         client = None if ingest is None else ingest.client
         if client is None or ingest is None or not ingest.connected.is_set():
             return False
         try:
-            client.publish(topic, payload, qos=0, retain=True)
+            client.publish(topic, payload, qos=0, retain=retain)
         except (OSError, RuntimeError, AttributeError) as e:  # the connection went away under us
             log.debug("receipt on %s not published: %s", topic, e)
             return False

@@ -39,7 +39,7 @@ DEFAULTS = {
     # only until the broker's PUBACK); with none for receipt_timeout_ms
     # while readings wait, fall back to PUBACK until a receipt arrives
     "receipts": True,
-    "receipt_timeout_ms": 30000,
+    "receipt_timeout_ms": 15000,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
     "period_ms": 10000,
     "cycles": 0,  # 0 = run forever; tests and the bench set a count

@@ -337,8 +337,8 @@ class Device:
         self.stats["sent"] += 1
 
     def _drain(self, limit):
-        if self._client is not None:
-            self.receipts.before_send(self._client)
+        if self._client is not None and not self.receipts.before_send(self._client):
+            return  # a new connection waits for the gateway's first receipt
         n = 0
         while n < limit and self._client is not None:
             rec = self.ring.peek()

@@ -13,12 +13,21 @@
 # - Each new connection re-sends from the oldest held reading, with its
 #   original seq (the broker may have lost what it acknowledged); the gateway
 #   recognises a copy by (topic, seq, CRC), stores it once and keeps its id.
-#   The retained receipt arrives with the subscription and usually releases
-#   most of what would be re-sent.
-# - Fallback (an older gateway, or receipts turned off there): when readings
-#   are held and no receipt came for ``receipt_timeout_ms`` (or the ring
-#   filled before the first receipt), everything held is released and PUBACK
-#   is enough again (mode "off", in ``diag``), until a receipt arrives.
+# - Gate: on a new connection nothing is sent until a receipt arrives (the
+#   retained one with the subscription, or the one the gateway publishes when
+#   it sees this device's "online" status).  After a broker restart without
+#   persistence the gateway's own subscription is gone until it
+#   re-subscribes; what a device sent before that would be acknowledged by
+#   the broker and dropped, and a receipt for a later reading would then
+#   release it.  Waiting for a receipt means the gateway listens again.
+# - Re-send: held readings with no receipt for a third of
+#   ``receipt_timeout_ms`` are sent once more (the receipt may have been lost
+#   with a gateway restart; the copy gets a fresh one).
+# - Fallback (an older gateway, or receipts turned off there): no receipt for
+#   ``receipt_timeout_ms`` while readings are held or after connecting (or
+#   the ring filled before the first receipt): everything held is released
+#   and PUBACK is enough again (mode "off", in ``diag``) until a receipt
+#   arrives.
 # - Memory: a few ints; the held records stay in flash.
 import json
 import time
@@ -36,31 +45,54 @@ class Receipts:
         dev.ring.hold = self.on
         self.since = time.ticks_ms()  # oldest held reading sent, or the last receipt
         self.session = None  # the client set up for sending (rewound, subscribed)
-        self.n = [0, 0, 0, -1]  # receipts, released, fallbacks, last lag ms
+        self.n = [0, 0, 0, -1, 0]  # receipts, released, fallbacks, last lag ms, re-sends
+        self.go = True  # this connection may send (see before_send)
+        self.resent = False
 
     def before_send(self, client, evicted=False):
-        """Before the ring drains on ``client`` (and after an append that
-        had to evict held readings)."""
+        """Before the ring drains on ``client`` (and, with ``client`` None,
+        after an append that had to evict held readings).  False: do not
+        send yet (a new connection waits for the gateway's first receipt)."""
         ring = self.dev.ring
+        now = time.ticks_ms()
         if client is not self.session and client is not None:
-            # the first send on a new connection
+            # the first send on a new connection: send again from the oldest
+            # held reading, once the gateway has shown it listens (any receipt)
             self.session = client
             ring.rewind()
+            self.go = not ring.hold
+            self.since = now
+            self.resent = False
             if self.on:
                 client.subscribe(self.topic, 0)
         if not ring.hold:
-            return
+            return True
+        waited = time.ticks_diff(now, self.since)
+        limit = self.dev.cfg.receipt_timeout_ms
+        if not self.go:
+            if waited > limit:
+                self._off("none after connecting")
+                return True
+            return False
         if not ring.unreceipted():
-            self.since = time.ticks_ms()  # the next held reading starts the clock
+            self.since = now  # the next held reading starts the clock
         elif evicted and self.mode == "waiting":
             self._off("the ring filled before any receipt")
-        elif time.ticks_diff(time.ticks_ms(), self.since) > self.dev.cfg.receipt_timeout_ms:
+        elif waited > limit:
             self._off("none in receipt_timeout_ms")
+        elif waited > limit // 3 and not self.resent:
+            # the receipt may have been lost (a gateway restart): send the
+            # held readings again once; the gateway answers copies too
+            self.resent = True
+            self.n[4] += 1
+            ring.rewind()
+        return True
 
     def _off(self, why):
         ring = self.dev.ring
         n = ring.release_all()
         ring.hold = False
+        self.go = True
         self.mode = "off"
         self.n[2] += 1
         self.dev.log("receipts:", why, "-", n, "held readings released; PUBACK is enough until a receipt")
@@ -80,6 +112,7 @@ class Receipts:
                 self.dev.log("bad receipt:", repr(e))
             return
         self.n[0] += 1
+        self.go = True
         if self.on and self.mode != "on":
             self.mode = "on"
             ring.hold = True
@@ -92,6 +125,7 @@ class Receipts:
                 self.n[3] = time.ticks_diff(now, self.since)
         if k or not held:
             self.since = now
+            self.resent = False
 
     def diag(self, d):
         n = self.n
@@ -100,3 +134,4 @@ class Receipts:
         d["released"] = n[1]
         d["receipt_fallbacks"] = n[2]
         d["receipt_lag_ms"] = n[3]
+        d["receipt_resends"] = n[4]
