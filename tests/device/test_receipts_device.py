@@ -28,7 +28,7 @@ from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker
-from tests.support.micropython import Board, Flash, require_micropython
+from tests.support.micropython import ESP32_HEAP, Board, Flash, require_micropython
 from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.micropython
@@ -117,7 +117,8 @@ async def _fleet_through_broker_crashes(tmp_path: Path, *, receipts: bool) -> di
             for d in devs:
                 flash = Flash(tmp_path / d)
                 _install(flash, d, broker, receipts=receipts)
-                boards.append(Board(flash).start())
+                flash.install_library(mpy=True)  # as on a board, in an ESP32-sized heap
+                boards.append(Board(flash, heapsize=ESP32_HEAP).start())
             await async_wait_until(
                 lambda: sum(len(v) for v in _uplink_seqs(iggy, parts).values()) >= 50,
                 30,
@@ -158,8 +159,10 @@ async def test_fleet_with_receipts_loses_nothing_through_ten_broker_crashes(tmp_
     for d, done in zip(r["devs"], r["done"], strict=True):
         got = r["uplink"].get(d, [])
         assert got == r["produced"][d], f"{d}: every reading once, in order"
-        assert done["dropped"] == 0 and done["evicted"] == 0, done  # no ring overflow
-        assert done["receipt_mode"] == "on" and done["receipt_fallbacks"] == 0, done
+        assert done["dropped"] == 0, done  # no ring overflow
+        assert done["evicted"] == 0, done
+        assert done["receipt_mode"] == "on", done
+        assert done["receipt_fallbacks"] == 0, done
     assert sum(d["connects"] for d in r["done"]) >= 5 * 5, "the devices lived through the broker crashes"
 
 
@@ -202,6 +205,12 @@ min_interval_ms = {interval_ms}
     return cfg
 
 
+def _start_agent(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`iggy-edge run` in a subprocess (so it can be SIGKILLed)."""
+    with log.open("ab") as out:
+        return subprocess.Popen([AGENT, "run", "-c", str(cfg)], stdout=out, stderr=out)
+
+
 def _file_seqs(uplink: Path, dev: str) -> list[int]:
     return [
         int(r["headers"]["device-seq"])
@@ -218,8 +227,7 @@ async def test_agent_killed_between_commit_and_receipt_device_resends_stored_onc
     log = tmp_path / "agent.log"
     # One receipt, then none for a minute: the agent dies holding the rest
     cfg = _agent_config(tmp_path, broker, uplink, interval_ms=60_000)
-    with log.open("ab") as out:
-        agent = subprocess.Popen([AGENT, "run", "-c", str(cfg)], stdout=out, stderr=out)
+    agent = _start_agent(cfg, log)
     dev = f"rk-{uuid.uuid4().hex[:6]}"
     flash = Flash(tmp_path / dev)
     _install(flash, dev, broker, receipt_timeout_ms=6000, app={"n": 40, "period_ms": 10})
@@ -228,8 +236,9 @@ async def test_agent_killed_between_commit_and_receipt_device_resends_stored_onc
         await async_wait_until(lambda: "MQTT session up" in log.read_text(), 20, what="agent up")
         board.start()
         await async_wait_until(
-            lambda: "IGGY-PUBLISHED" in board.console()
-            and set(_file_seqs(uplink, dev)) >= set(_produced(flash)),
+            lambda: (
+                "IGGY-PUBLISHED" in board.console() and set(_file_seqs(uplink, dev)) >= set(_produced(flash))
+            ),
             30,
             what="every reading committed",
         )
@@ -237,8 +246,7 @@ async def test_agent_killed_between_commit_and_receipt_device_resends_stored_onc
         agent.wait(10)
         assert "IGGY-DONE" not in board.console()  # the device still holds readings
         cfg = _agent_config(tmp_path, broker, uplink, interval_ms=200)
-        with log.open("ab") as out:
-            agent = subprocess.Popen([AGENT, "run", "-c", str(cfg)], stdout=out, stderr=out)
+        agent = _start_agent(cfg, log)
         rc = await asyncio.get_running_loop().run_in_executor(None, board.wait, 60)
         assert rc == 0, board.console()[-3000:]
     finally:
@@ -248,7 +256,8 @@ async def test_agent_killed_between_commit_and_receipt_device_resends_stored_onc
             agent.wait(20)
     done = board.done()
     assert done["receipt_resends"] >= 1, done  # no receipt came: it sent them again
-    assert done["receipt_mode"] == "on" and done["receipt_fallbacks"] == 0, done
+    assert done["receipt_mode"] == "on", done
+    assert done["receipt_fallbacks"] == 0, done
     assert _file_seqs(uplink, dev) == _produced(flash), "each reading stored once, in order"
 
 
@@ -266,15 +275,21 @@ async def test_device_reboot_between_publish_and_receipt_resends_stored_once(
     board = Board(flash)
     # one receipt at once, the rest only a minute later: the board dies first
     slow = make_settings(
-        tmp_path, broker, gateway_id="gw-rb", receipts={"min_interval_ms": 60_000}, downlink={"enabled": False}
+        tmp_path,
+        broker,
+        gateway_id="gw-rb",
+        receipts={"min_interval_ms": 60_000},
+        downlink={"enabled": False},
     )
     parts = slow.iggy.partitions
     try:
         async with running_agent(slow, iggy.uplink()) as agent:
             board.start()
             await async_wait_until(
-                lambda: "IGGY-PUBLISHED" in board.console()
-                and set(_uplink_seqs(iggy, parts).get(dev, [])) >= set(_produced(flash)),
+                lambda: (
+                    "IGGY-PUBLISHED" in board.console()
+                    and set(_uplink_seqs(iggy, parts).get(dev, [])) >= set(_produced(flash))
+                ),
                 30,
                 what="every reading committed",
             )
@@ -292,4 +307,5 @@ async def test_device_reboot_between_publish_and_receipt_resends_stored_once(
     done = board.done()
     assert copies >= 40, f"the rebooted board sent its held readings again ({copies} copies recognised)"
     assert _uplink_seqs(iggy, parts)[dev] == _produced(flash), "each reading stored once, in order"
-    assert done["unreceipted"] == 0 and done["receipt_mode"] == "on", done
+    assert done["unreceipted"] == 0, done
+    assert done["receipt_mode"] == "on", done
