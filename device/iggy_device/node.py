@@ -314,7 +314,7 @@ class Device:
                 return
             except NET_ERRORS as e:
                 self._lost(e)
-        if self._client is None or ring.unsent():
+        if self._client is None or len(ring) > ring.unreceipted():
             self.stats["buffered"] += 1  # waits for a connection or behind others
         evicted = ring.evicted
         lost = ring.append(channel, payload)

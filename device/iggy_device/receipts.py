@@ -45,7 +45,7 @@ class Receipts:
         dev.ring.hold = self.on
         self.since = time.ticks_ms()  # oldest held reading sent, or the last receipt
         self.session = None  # the client set up for sending (rewound, subscribed)
-        self.n = [0, 0, 0, -1, 0]  # receipts, released, fallbacks, last lag ms, re-sends
+        self.n = [0, 0, 0]  # receipts, fallbacks, re-sends
         self.go = True  # this connection may send (see before_send)
         self.resent = False
 
@@ -84,7 +84,7 @@ class Receipts:
             # the receipt may have been lost (a gateway restart): send the
             # held readings again once; the gateway answers copies too
             self.resent = True
-            self.n[4] += 1
+            self.n[2] += 1
             ring.rewind()
         return True
 
@@ -94,18 +94,17 @@ class Receipts:
         ring.hold = False
         self.go = True
         self.mode = "off"
-        self.n[2] += 1
+        self.n[1] += 1
         self.dev.log("receipts:", why, "-", n, "held readings released; PUBACK is enough until a receipt")
 
     def handle(self, raw):
         ring = self.dev.ring
         try:
             doc = json.loads(raw)
-            seq = doc["seq"]
+            seq = int(doc["seq"])
             crc = doc.get("crc")
-            seq + 0
             if crc is not None:
-                crc + 0
+                crc = int(crc)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             if raw:  # an empty retained message clears the receipt: nothing to do
                 self.dev.stats["bad_messages"] += 1
@@ -116,22 +115,13 @@ class Receipts:
         if self.on and self.mode != "on":
             self.mode = "on"
             ring.hold = True
-        held = ring.unreceipted()
-        k = ring.release(seq, crc)
-        now = time.ticks_ms()
-        if k:
-            self.n[1] += k
-            if held:
-                self.n[3] = time.ticks_diff(now, self.since)
-        if k or not held:
-            self.since = now
+        if ring.release(seq, crc) or not ring.unreceipted():
+            self.since = time.ticks_ms()
             self.resent = False
 
     def diag(self, d):
         n = self.n
         d["receipt_mode"] = self.mode
         d["receipts"] = n[0]
-        d["released"] = n[1]
-        d["receipt_fallbacks"] = n[2]
-        d["receipt_lag_ms"] = n[3]
-        d["receipt_resends"] = n[4]
+        d["receipt_fallbacks"] = n[1]
+        d["receipt_resends"] = n[2]

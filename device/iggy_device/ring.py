@@ -46,15 +46,13 @@ _SEQ = b'"seq":'
 
 
 def seq_of(payload):
-    """The ``"seq": n`` of a reading payload (bytes), or None (command acks
+    """The ``"seq":n`` of a reading payload (bytes), or None (command acks
     carry none).  MicroPython's json does not keep key order: search."""
-    i = payload.find(_SEQ)
-    if i < 0:
+    i = payload.find(_SEQ) + 6
+    if i < 6:
         return None
-    i += len(_SEQ)
     j = i
-    n = len(payload)
-    while j < n and 48 <= payload[j] <= 57:
+    while payload[j : j + 1].isdigit():
         j += 1
     return int(payload[i:j]) if j > i else None
 
@@ -115,9 +113,6 @@ class Ring:
         for s in self._segs:
             n += s[2]
         return n
-
-    def unsent(self):
-        return len(self) - self._unreceipted
 
     def unreceipted(self):
         """Records sent (PUBACK) and held for a receipt."""
@@ -248,7 +243,8 @@ class Ring:
                         payload = line[line.find(b" ") + 1 : -1]
                         s = seq_of(payload)
                         if s is None:
-                            if lead and self._before_send(i, read):  # sent: PUBACK covers it
+                            # sent: PUBACK covers it
+                            if lead and (i < self._si or (i == self._si and read <= self._sread)):
                                 pos = (i, off, read)
                         elif not found and s == seq and (crc is None or crc32 is None or crc32(payload) == crc):
                             found = True
@@ -268,14 +264,10 @@ class Ring:
         self._release_to(pos[0], pos[1], pos[2])
         return before - len(self)
 
-    def _before_send(self, i, read):
-        return i < self._si or (i == self._si and read <= self._sread)
-
     def release_all(self):
         """Release every sent record (falling back to PUBACK)."""
         n = self._unreceipted
-        if n:
-            self._release_to(self._si, self._soff, self._sread)
+        self._release_to(self._si, self._soff, self._sread)
         return n
 
     def flush(self):

@@ -39,6 +39,8 @@ AGENT = str(Path(sys.executable).with_name("iggy-edge"))
 # handed out is written to _produced, so a reboot's skipped block is known),
 # then serve the connection until every reading left the ring.
 DEVICE_MAIN = """\
+import machine  # the hardware stand-ins first, as the examples do: on a
+import network  # board they are built in; here they compile from source
 import json
 import time
 from iggy_device import config
