@@ -15,13 +15,17 @@ from typing import Any
 import gmqtt
 import pytest
 from gmqtt.mqtt.constants import MQTTv311
+from iggy_edge.cli.main import app as cli
 from iggy_edge.config import ConfigError, ReceiptSettings, parse_config
+from iggy_edge.httpd import http_endpoint
 from iggy_edge.metrics import Metrics
 from iggy_edge.receipts import Receipts
 from iggy_edge.uplink.memory import MemoryIggy
+from typer.testing import CliRunner
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker
+from tests.support.ports import free_port
 from tests.support.wait import async_wait_until
 
 
@@ -209,3 +213,38 @@ async def test_receipts_metrics_show_devices_holding_unreceipted_readings() -> N
 def test_receipt_topic_must_hold_the_device_as_a_whole_level(topic: str) -> None:
     with pytest.raises(ConfigError):
         parse_config({"gateway_id": "g", "receipts": {"topic": topic}}, source="t", env={})
+
+
+async def test_device_list_shows_devices_holding_unreceipted_readings(tmp_path: Path, broker: Broker) -> None:
+    port = free_port()
+    iggy = MemoryIggy()
+    iggy.down = True  # Iggy mode and no uplink: the readings stay unreceipted
+    settings = make_settings(
+        tmp_path, broker, metrics={"listen": f"127.0.0.1:{port}"}, receipts={"mode": "iggy"}
+    )
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f'gateway_id = "gw-test"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
+        f'[metrics]\nlisten = "127.0.0.1:{port}"\n[receipts]\nmode = "iggy"\n'
+    )
+    async with running_agent(settings, iggy.uplink(), components=(http_endpoint,)) as agent:
+        dev = await Device(broker, "rc-held").connect()
+        for i in range(3):
+            dev.publish(i)
+        await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records >= 3, 10)
+        runner = CliRunner()
+        human = await asyncio.to_thread(runner.invoke, cli, ["device", "list", "-c", str(cfg)])
+        as_json = await asyncio.to_thread(runner.invoke, cli, ["device", "list", "--json", "-c", str(cfg)])
+        iggy.down = False
+        await async_wait_until(lambda: dev.last() is not None and dev.last()["seq"] == 2, 15)  # type: ignore[index]
+        await async_wait_until(lambda: agent.receipts is not None and not agent.receipts.unreceipted(), 5)
+        after = await asyncio.to_thread(runner.invoke, cli, ["device", "list", "-c", str(cfg)])
+        await dev.close()
+    assert human.exit_code == 0, human.output
+    assert "1 device(s) hold readings not receipted yet" in human.output
+    assert "rc-held" in human.output
+    held = [json.loads(line) for line in as_json.output.splitlines() if "gateway_device" in line]
+    assert [h["gateway_device"] for h in held] == ["rc-held"]
+    assert held[0]["unreceipted_age_s"] >= 0
+    assert "no device holds readings waiting for a receipt" in after.output
