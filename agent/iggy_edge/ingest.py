@@ -35,8 +35,8 @@
   device sequence, payload CRC) and acknowledged without a second record, so
   it keeps its original message id.  With receipts on (receipts.py) every
   message with a device sequence is checked, DUP or not: devices re-send
-  what no receipt covered yet, as new publishes.  A recognised message is
-  shown to the observers again (its receipt may have been lost).  Messages
+  what no receipt covered yet, as new publishes.  A recognised message goes
+  to the `copy_observers` (its receipt may have been lost).  Messages
   without a device sequence are stored again (at-least-once); see
   docs/consumers.md.
 * Lost session: CONNACK says whether the broker still had our session.  When
@@ -126,6 +126,9 @@ class Ingest:
         # Recognise copies without the DUP flag too (devices re-send what no
         # receipt covered: receipts.py).
         self.recognise_resends = settings.receipts.enabled
+        # Called (quick, must not raise) with (topic, payload) of each message
+        # recognised as a copy of a committed one (acknowledged, not stored).
+        self.copy_observers: list[Callable[[str, bytes], None]] = []
         # Called (quick, must not raise) when the broker had forgotten our
         # session: the return path restores the retained configs then.
         self.session_lost_observers: list[Callable[[], None]] = []
@@ -400,7 +403,7 @@ class Ingest:
                 topic,
                 dseq,
             )
-            for observe in self.observers:
+            for observe in self.copy_observers:
                 observe(topic, payload)
             return None
         return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))

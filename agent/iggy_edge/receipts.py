@@ -27,8 +27,8 @@ until the broker's PUBACK).  See docs/receipts.md.
   uplink outage.
 * A record the device sends again (it keeps held readings across a
   reconnect) is recognised by ingest by (topic, seq, CRC) -- not only when
-  the broker marks it DUP -- stored once, keeps its id, and in committed
-  mode gets its receipt again (`observe` is called for it too).
+  the broker marks it DUP -- stored once, keeps its id, and gets its receipt
+  again (`observe_copy`).
 * Cost on ingest: one topic split, the seq the payload already yielded to
   ingest's regex, one CRC-32 and a dict update per committed reading; the
   publishes are timers, not per message (bench/ingest_bench.py --receipts).
@@ -123,6 +123,22 @@ class Receipts:
             dev.unconfirmed += 1
             return
         self._covered(dev, seq, zlib.crc32(payload), now)
+
+    def observe_copy(self, topic: str, payload: bytes) -> None:
+        """A device sent a reading again that is already durable (its
+        receipt may have been lost): receipt it again.  In mode iggy only
+        when nothing of the device waits for Iggy and a receipt was sent in
+        this run (it is still true); otherwise the next confirmed reading
+        brings one, or the device falls back after its receipt_timeout_ms."""
+        if not self._iggy:
+            self.observe(topic, payload)
+            return
+        dev_id = self._device_of(topic)
+        dev = None if dev_id is None else self._devices.get(dev_id)
+        if dev is None or dev.unconfirmed or dev.pending or dev.last is NOTHING:
+            return
+        if self._publish(dev.topic, dev.last, True):
+            self._metrics.receipts_sent.inc()
 
     def confirmed(self, records: Sequence[OutboundRecord]) -> None:
         """Iggy confirmed these records (mode iggy; per device they are

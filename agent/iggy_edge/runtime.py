@@ -270,6 +270,7 @@ class Agent:
         receipts = self.receipts
         if receipts is not None:
             ingest.observers.append(receipts.observe)
+            ingest.copy_observers.append(receipts.observe_copy)
         if self.uplink is not None:
             source = outbox if receipts is None or s.receipts.mode != "iggy" else receipts.confirm_tap(outbox)
             self.forwarder = Forwarder(source, self.uplink, s.forward, self.metrics)
