@@ -29,7 +29,6 @@ from umqtt.simple import MQTTClient, MQTTException
 from . import codec
 from .backoff import Backoff
 from .dedupe import RecentCommands
-from .receipts import Receipts
 from .ring import Ring
 from .seq import Sequence
 from . import fsutil
@@ -146,7 +145,11 @@ class Device:
         self._up = {}
         self._config_path = d + "/desired.json"
         self._config_raw = fsutil.read(self._config_path)
-        self.receipts = Receipts(self)
+        self.receipts = None  # receipts.py, loaded only when on (heap)
+        if cfg.receipts:
+            from .receipts import Receipts
+
+            self.receipts = Receipts(self)
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -289,7 +292,10 @@ class Device:
         d["heap_free"] = free
         d["heap_alloc"] = alloc
         d["reset"] = self.reset_cause
-        self.receipts.diag(d)
+        if self.receipts is None:
+            d["receipt_mode"] = "off"
+        else:
+            self.receipts.diag(d)
         for k in self.stats:
             d[k] = self.stats[k]
         return d
@@ -320,7 +326,7 @@ class Device:
         lost = ring.append(channel, payload)
         if lost:
             self.log("buffer full: dropped", lost, "oldest readings, total", ring.dropped)
-        if ring.evicted != evicted:
+        if ring.evicted != evicted and self.receipts is not None:
             self.receipts.before_send(None, True)
         if ring.hold and self._client is not None:
             try:  # held until its receipt: send it now, behind anything unsent
@@ -337,7 +343,8 @@ class Device:
         self.stats["sent"] += 1
 
     def _drain(self, limit):
-        if self._client is not None and not self.receipts.before_send(self._client):
+        r = self.receipts
+        if r is not None and self._client is not None and not r.before_send(self._client):
             return  # a new connection waits for the gateway's first receipt
         n = 0
         while n < limit and self._client is not None:
@@ -446,7 +453,7 @@ class Device:
                 self._handle_command(msg)
             elif topic == self._b_config:
                 self._handle_config(msg)
-            elif topic == self.receipts.topic_b:
+            elif self.receipts is not None and topic == self.receipts.topic_b:
                 self.receipts.handle(msg)
             gc.collect()
 

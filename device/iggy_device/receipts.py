@@ -32,17 +32,23 @@
 import json
 import time
 
+from .ring import seq_of
+
+try:
+    from binascii import crc32
+except ImportError:  # a port built without it: receipts are matched by seq only
+    crc32 = None
+
 
 class Receipts:
     def __init__(self, dev):
         cfg = dev.cfg
         self.dev = dev
-        self.on = cfg.receipts
         self.topic = cfg.topic_prefix + "/" + cfg.device_id + "/down/receipt"
         self.topic_b = self.topic.encode()
         # "waiting" (none seen yet), "on", "off" (PUBACK is enough)
-        self.mode = "waiting" if self.on else "off"
-        dev.ring.hold = self.on
+        self.mode = "waiting"
+        dev.ring.hold = True
         self.since = time.ticks_ms()  # oldest held reading sent, or the last receipt
         self.session = None  # the client set up for sending (rewound, subscribed)
         self.n = [0, 0, 0]  # receipts, fallbacks, re-sends
@@ -63,8 +69,7 @@ class Receipts:
             self.go = not ring.hold
             self.since = now
             self.resent = False
-            if self.on:
-                client.subscribe(self.topic, 0)
+            client.subscribe(self.topic, 0)
         if not ring.hold:
             return True
         waited = time.ticks_diff(now, self.since)
@@ -112,10 +117,10 @@ class Receipts:
             return
         self.n[0] += 1
         self.go = True
-        if self.on and self.mode != "on":
+        if self.mode != "on":
             self.mode = "on"
             ring.hold = True
-        if ring.release(seq, crc) or not ring.unreceipted():
+        if release(ring, seq, crc) or not ring.unreceipted():
             self.since = time.ticks_ms()
             self.resent = False
 
@@ -125,3 +130,55 @@ class Receipts:
         d["receipts"] = n[0]
         d["receipt_fallbacks"] = n[1]
         d["receipt_resends"] = n[2]
+
+
+def release(self, seq, crc=None):
+    """``self``: the Ring (this lives here, so a device without receipts
+    does not load it).  A receipt: the gateway holds the record with this ``seq`` (and
+    payload CRC-32 ``crc``) durably, and everything sent before it.
+    Releases the records up to it, plus the seq-less ones that follow it;
+    returns how many.  The record may lie past the send cursor (a receipt
+    that arrives after a reconnect's rewind): the send cursor skips it
+    then.  A receipt that names no record in the ring (an old one, or one
+    for a sequence the device has since reset) releases nothing."""
+    if not len(self):
+        return 0
+    pos = None
+    lead = True
+    found = False
+    i, off, read = 0, self._off, self._read
+    while i < len(self._segs):
+        seg = self._segs[i]
+        end = seg[2]
+        if read < end:
+            with open(self._path(seg[0]), "rb") as f:
+                f.seek(off)
+                while read < end:
+                    line = f.readline()
+                    if not line.endswith(b"\n"):
+                        break
+                    off += len(line)
+                    read += 1
+                    payload = line[line.find(b" ") + 1 : -1]
+                    s = seq_of(payload)
+                    if s is None:
+                        # sent: PUBACK covers it
+                        if lead and (i < self._si or (i == self._si and read <= self._sread)):
+                            pos = (i, off, read)
+                    elif not found and s == seq and (crc is None or crc32 is None or crc32(payload) == crc):
+                        found = True
+                        lead = True
+                        pos = (i, off, read)
+                    else:
+                        lead = False
+                        if found:
+                            break
+        if found and not lead:
+            break
+        i += 1
+        off = read = 0
+    if not found or pos is None:
+        return 0
+    before = len(self)
+    self._release_to(pos[0], pos[1], pos[2])
+    return before - len(self)

@@ -25,9 +25,9 @@
 # - Receipts (``hold``): a sent record (PUBACK) stays in flash until the
 #   gateway's receipt covers it.  Two cursors: the send cursor (RAM only) is
 #   where ``peek()`` reads; the read cursor in ``meta`` is the receipt's.
-#   ``release(seq, crc)`` walks the held records and moves the read cursor
-#   past the one the receipt names (and the seq-less command acks right after
-#   it); a receipt that names no held record releases nothing.  ``rewind()``
+#   ``receipts.release(ring, seq, crc)`` walks the records and moves the read
+#   cursor past the one the receipt names (and the seq-less command acks
+#   right after it); a receipt that names no record releases nothing.  ``rewind()``
 #   sends again from the read cursor (every new connection: the broker may
 #   have lost what it acknowledged).  A seq-less record sent with nothing held
 #   before it leaves at PUBACK (no receipt can name it).  Without ``hold``
@@ -36,11 +36,6 @@ import json
 import os
 
 from . import fsutil
-
-try:
-    from binascii import crc32
-except ImportError:  # a port built without it: receipts are matched by seq only
-    crc32 = None
 
 _SEQ = b'"seq":'
 
@@ -67,7 +62,7 @@ class Ring:
         self.segment_bytes = segment_bytes
         self.max_segments = max_bytes // segment_bytes
         self.cursor_every = cursor_every
-        # hold: keep sent records until release() (a receipt) covers them;
+        # hold: keep sent records until receipts.release() covers them;
         # off: a sent record leaves at pop() (the broker's PUBACK)
         self.hold = False
         fsutil.makedirs(dir)
@@ -164,7 +159,7 @@ class Ring:
     def peek(self):
         """Oldest unsent record as (channel, payload bytes), or None.  It
         stays in the ring until ``pop()`` confirms it was delivered (and,
-        with ``hold``, until ``release()`` covers it)."""
+        with ``hold``, until ``receipts.release()`` covers it)."""
         while self._segs:
             seg = self._segs[self._si]
             if self._sread >= seg[2]:
@@ -213,56 +208,6 @@ class Ring:
         self._sread = self._read
         self._peeked = 0
         self._unreceipted = 0
-
-    def release(self, seq, crc=None):
-        """A receipt: the gateway holds the record with this ``seq`` (and
-        payload CRC-32 ``crc``) durably, and everything sent before it.
-        Releases the records up to it, plus the seq-less ones that follow it;
-        returns how many.  The record may lie past the send cursor (a receipt
-        that arrives after a reconnect's rewind): the send cursor skips it
-        then.  A receipt that names no record in the ring (an old one, or one
-        for a sequence the device has since reset) releases nothing."""
-        if not len(self):
-            return 0
-        pos = None
-        lead = True
-        found = False
-        i, off, read = 0, self._off, self._read
-        while i < len(self._segs):
-            seg = self._segs[i]
-            end = seg[2]
-            if read < end:
-                with open(self._path(seg[0]), "rb") as f:
-                    f.seek(off)
-                    while read < end:
-                        line = f.readline()
-                        if not line.endswith(b"\n"):
-                            break
-                        off += len(line)
-                        read += 1
-                        payload = line[line.find(b" ") + 1 : -1]
-                        s = seq_of(payload)
-                        if s is None:
-                            # sent: PUBACK covers it
-                            if lead and (i < self._si or (i == self._si and read <= self._sread)):
-                                pos = (i, off, read)
-                        elif not found and s == seq and (crc is None or crc32 is None or crc32(payload) == crc):
-                            found = True
-                            lead = True
-                            pos = (i, off, read)
-                        else:
-                            lead = False
-                            if found:
-                                break
-            if found and not lead:
-                break
-            i += 1
-            off = read = 0
-        if not found or pos is None:
-            return 0
-        before = len(self)
-        self._release_to(pos[0], pos[1], pos[2])
-        return before - len(self)
 
     def release_all(self):
         """Release every sent record (falling back to PUBACK)."""

@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from iggy_device.receipts import release
 from iggy_device.ring import Ring, seq_of
 
 
@@ -85,7 +86,7 @@ def test_hold_mode_against_a_model(tmp_path: Path, seed: int) -> None:
                 crc = zlib.crc32(p) if rnd.random() < 0.9 else 12345
             else:
                 seq, crc = rnd.randrange(0, next_seq + 5), rnd.randrange(1 << 32)
-            assert ring.release(seq, crc) == m.release(seq, crc)
+            assert release(ring, seq, crc) == m.release(seq, crc)
         elif op < 0.95:
             ring.rewind()
             m.s = m.r
@@ -133,7 +134,7 @@ def test_release_all_and_seq_parsing(tmp_path: Path) -> None:
     assert len(ring) == 2
     assert ring.unreceipted() == 0
     # a receipt for a record past the send cursor (after a reconnect): released, and skipped
-    assert ring.release(4, zlib.crc32(_payload(4, 4))) == 2
+    assert release(ring, 4, zlib.crc32(_payload(4, 4))) == 2
     assert ring.peek() is None
     assert len(ring) == 0
     ring.flush()
