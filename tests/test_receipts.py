@@ -248,3 +248,17 @@ async def test_device_list_shows_devices_holding_unreceipted_readings(tmp_path: 
     assert [h["gateway_device"] for h in held] == ["rc-held"]
     assert held[0]["unreceipted_age_s"] >= 0
     assert "no device holds readings waiting for a receipt" in after.output
+
+
+async def test_an_agent_subscribed_to_everything_does_not_ingest_its_own_receipts(
+    tmp_path: Path, broker: Broker
+) -> None:
+    settings = make_settings(tmp_path, broker, mqtt={"subscriptions": [{"filter": "#", "qos": 1}]})
+    async with running_agent(settings) as agent:
+        dev = await Device(broker, "rc-hash").connect()
+        payload = dev.publish(1)
+        await async_wait_until(lambda: dev.last() == {"seq": 1, "crc": zlib.crc32(payload)}, 10)
+        await asyncio.sleep(0.5)
+        received = sum(agent.metrics.value("iggy_edge_ingest_messages_total", qos=q) for q in "012")
+        await dev.close()
+    assert received == 1, "the receipt came back to the agent's own session (no_local)"

@@ -230,8 +230,9 @@ class Ingest:
                     # subscription is new.  We re-subscribe on every connect
                     # of the persistent session; without this the broker would
                     # re-send every retained status each time, stored again
-                    # under new ids.
-                    client.subscribe(sub.filter, qos=sub.qos, retain_handling_options=1)
+                    # under new ids.  no_local: the receipts this session
+                    # publishes (receipts.py) do not come back to it.
+                    client.subscribe(sub.filter, qos=sub.qos, no_local=True, retain_handling_options=1)
             except CONNECT_ERRORS as e:
                 self._metrics.mqtt_reconnects.inc()
                 delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
