@@ -197,6 +197,7 @@ async def test_receipts_metrics_show_devices_holding_unreceipted_readings() -> N
     r.observe("edge/m1/up/env", b'{"seq":3,"v":1}')
     r.observe("edge/m2/up/env", b'{"v":1}')  # no seq: nothing to receipt
     r.observe("elsewhere/m3/up/env", b'{"seq":1}')  # not a device topic
+    await asyncio.sleep(0)  # the group's end
     assert set(r.unreceipted()) == {"m1"}
     assert metrics.value("iggy_edge_receipts_devices_unreceipted") == 1
     assert metrics.value("iggy_edge_receipts_unreceipted_age_seconds", device="m1") >= 0

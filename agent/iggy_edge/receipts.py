@@ -29,9 +29,9 @@ until the broker's PUBACK).  See docs/receipts.md.
   reconnect) is recognised by ingest by (topic, seq, CRC) -- not only when
   the broker marks it DUP -- stored once, keeps its id, and gets its receipt
   again (`observe_copy`).
-* Cost on ingest: one topic split, the seq the payload already yielded to
-  ingest's regex, one CRC-32 and a dict update per committed reading; the
-  publishes are timers, not per message (bench/ingest_bench.py --receipts).
+* Cost on ingest: a dict update per committed message; per device and
+  group commit one topic split, seq parse and CRC-32; the publishes are
+  throttled (bench/ingest_bench.py, scenario ``qos1-full-receipts-off``).
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ class Receipts:
         self._t_head, self._t_tail = head, tail
         self._prefix = head  # readings of device D arrive on {prefix}D/up/...
         self._devices: dict[str, _Device] = {}
+        self._latest: dict[str, bytes] = {}  # topic -> newest payload of this group
+        self._flush_due = False
         self._limited = RateLimitedLog(log)
         metrics.registry.register(_Collector(self))
 
@@ -107,7 +109,29 @@ class Receipts:
 
     def observe(self, topic: str, payload: bytes) -> None:
         """A message is durable in the outbox (or was, and came again).
-        Quick and never raising: it runs in ingest's acknowledgement."""
+        Quick and never raising: it runs in ingest's acknowledgement, once
+        per message.  Only the newest message per topic of a group matters
+        for the receipt, so the work waits for the end of the group
+        (`call_soon`): one parse, one CRC and one receipt decision per
+        device and group instead of per message."""
+        if self._iggy:
+            self._observe(topic, payload)  # every record counts until Iggy confirms it
+            return
+        latest = self._latest
+        if topic in latest:
+            del latest[topic]  # keep the order of the newest occurrences
+        latest[topic] = payload
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        latest, self._latest = self._latest, {}
+        for topic, payload in latest.items():
+            self._observe(topic, payload)
+
+    def _observe(self, topic: str, payload: bytes) -> None:
         dev_id = self._device_of(topic)
         if dev_id is None:
             if payload == b"online":
