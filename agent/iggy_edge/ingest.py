@@ -90,6 +90,9 @@ READ_PAUSE_AT: Final = 10_000
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 QOS0_PENDING_BYTES: Final = 2 * READ_PAUSE_BYTES
 SESSION_META_KEY: Final = "mqtt_session_client_id"
+# Records with a device seq remembered with their pending commit (copies that
+# arrive before it are acknowledged with it); pruned of finished commits at this size.
+UNSETTLED_MAX: Final = 2 * READ_PAUSE_AT
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
@@ -129,6 +132,9 @@ class Ingest:
         # Called (quick, must not raise) with (topic, payload) of each message
         # recognised as a copy of a committed one (acknowledged, not stored).
         self.copy_observers: list[Callable[[str, bytes], None]] = []
+        # (topic, device seq, CRC) -> the commit of that record, while it may
+        # still be pending (entries whose commit is done are pruned in bulk)
+        self._unsettled: dict[tuple[str, int, int], asyncio.Future[None]] = {}
         # Called (quick, must not raise) when the broker had forgotten our
         # session: the return path restores the retained configs then.
         self.session_lost_observers: list[Callable[[], None]] = []
@@ -391,11 +397,10 @@ class Ingest:
             return done
         assert isinstance(topic, str)  # a bytes topic never routes
         dseq = device_seq_of(payload)
-        if (
-            dseq is not None
-            and (self.recognise_resends or properties.get("dup"))
-            and self._outbox.seen(topic, dseq, zlib.crc32(payload))
-        ):
+        if dseq is None or not qos or not (self.recognise_resends or properties.get("dup")):
+            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        key = (topic, dseq, zlib.crc32(payload))
+        if self._outbox.seen(*key):
             self._flush_counts()
             self._metrics.ingest_known_copies.inc()
             log.log(
@@ -407,7 +412,18 @@ class Ingest:
             for observe in self.copy_observers:
                 observe(topic, payload)
             return None
-        return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        # A copy can also arrive while its original still waits for its
+        # group commit (a device re-sends after a broker restart faster than a
+        # slow commit): acknowledge it with the original's commit, store nothing.
+        original = self._unsettled.get(key)
+        if original is not None and not original.done():
+            self._metrics.ingest_known_copies.inc()
+            return original
+        done = self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        if len(self._unsettled) >= UNSETTLED_MAX:
+            self._unsettled = {k: f for k, f in self._unsettled.items() if not f.done()}
+        self._unsettled[key] = done
+        return done
 
     def _flush_counts(self) -> None:
         for qos, n in enumerate(self._rx):
