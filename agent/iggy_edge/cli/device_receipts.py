@@ -17,8 +17,11 @@ AGE_METRIC = "iggy_edge_receipts_unreceipted_age_seconds"
 
 
 def show_unreceipted(config: Path, *, explicit: bool, as_json: bool) -> None:
-    """Print the gateway's view; quiet when no config was asked for and
-    none is installed (a laptop provisioning boards)."""
+    """Print the gateway's view.  Without an explicit ``-c`` only the human
+    listing tries the installed config, and says nothing when that fails (a
+    laptop provisioning boards); ``--json`` adds gateway lines only with -c."""
+    if as_json and not explicit:
+        return
     if not config.exists():
         if explicit:
             typer.echo(f"receipts: no config at {config}: not shown", err=True)
@@ -26,13 +29,15 @@ def show_unreceipted(config: Path, *, explicit: bool, as_json: bool) -> None:
     try:
         settings = load_config(config)
     except ConfigError as e:
-        typer.echo(f"receipts: {e.source}: configuration is not valid: not shown", err=True)
+        if explicit:
+            typer.echo(f"receipts: {e.source}: configuration is not valid: not shown", err=True)
         return
     url = local_url(settings.metrics.listen)
     try:
         snap = scrape(url, settings, timeout=2.0)
     except (OSError, NotOurs) as e:
-        typer.echo(f"receipts: the agent does not answer at {url} ({e}): not shown", err=True)
+        if explicit:
+            typer.echo(f"receipts: the agent does not answer at {url} ({e}): not shown", err=True)
         return
     held = snap.labelled(AGE_METRIC)
     if as_json:
