@@ -18,7 +18,10 @@ Method (preload, so neither the publisher nor its pacing is measured):
    between repeats.
 
 Scenarios: QoS1 with ``synchronous=full`` (the default: a committed record
-survives power loss) and ``=normal`` (the cost of full), and QoS0.  For QoS0
+survives power loss) and ``=normal`` (the cost of full), and QoS0.  A
+scenario ending in ``-receipts-off`` runs the agent with ``[receipts]
+enabled = false`` (receipts.py), e.g. ``--scenarios
+qos1-full,qos1-full-receipts-off`` for the cost of delivery receipts.  For QoS0
 the broker is configured with ``queue_qos0_messages true`` so QoS0 messages
 are queued for the offline sessions too (Mosquitto's default would drop
 them); QoS0 has no in-flight window, so the agent may drop records beyond its
@@ -65,7 +68,9 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _agent_subject(port: int, state: Path, sync: str, expect: int, qos: int) -> dict[str, Any]:
+async def _agent_subject(
+    port: int, state: Path, sync: str, expect: int, qos: int, receipts: bool = True
+) -> dict[str, Any]:
     settings = parse_config(
         {
             "gateway_id": "bench",
@@ -78,6 +83,7 @@ async def _agent_subject(port: int, state: Path, sync: str, expect: int, qos: in
             "iggy": {"kind": "none"},
             "buffer": {"synchronous": sync},
             "downlink": {"enabled": False},
+            "receipts": {"enabled": receipts},
             "metrics": {"enabled": False},
         },
         env={},
@@ -183,7 +189,9 @@ def _run_subject(args: list[str]) -> dict[str, Any]:
     return result
 
 
-def one_round(workdir: Path, *, qos: int, sync: str, count: int, agent_first: bool) -> dict[str, Any]:
+def one_round(
+    workdir: Path, *, qos: int, sync: str, count: int, agent_first: bool, receipts: bool = True
+) -> dict[str, Any]:
     with make_broker(workdir / "broker", queue_qos0=(qos == 0)) as broker:
         asyncio.run(_register(broker.port))
         pub = json.loads(
@@ -207,6 +215,7 @@ def one_round(workdir: Path, *, qos: int, sync: str, count: int, agent_first: bo
         state = workdir / "state"
         agent_args = ["--role", "agent", "--port", str(broker.port), "--state", str(state)]
         agent_args += ["--sync", sync, "--count", str(count), "--qos", str(qos)]
+        agent_args += ["--receipts", "on" if receipts else "off"]
         bare_args = ["--role", "bare", "--port", str(broker.port), "--count", str(count)]
         results: dict[str, Any] = {"publish_rate": pub["rate"]}
         for name, args in (("agent", agent_args), ("bare", bare_args))[:: 1 if agent_first else -1]:
@@ -225,10 +234,12 @@ def main() -> None:
     ap.add_argument("--state", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--sync", default="full", help=argparse.SUPPRESS)
     ap.add_argument("--qos", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--receipts", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
     a = ap.parse_args()
 
     if a.role == "agent":
-        print(json.dumps(asyncio.run(_agent_subject(a.port, a.state, a.sync, a.count, a.qos))))
+        subject = _agent_subject(a.port, a.state, a.sync, a.count, a.qos, a.receipts == "on")
+        print(json.dumps(asyncio.run(subject)))
         return
     if a.role == "bare":
         print(json.dumps(asyncio.run(_bare_subject(a.port, a.count))))
@@ -238,8 +249,10 @@ def main() -> None:
     emit_machine(BENCH)
     for scenario in a.scenarios.split(","):
         fig = scenario.replace("-", "_")
-        qos = 0 if scenario == "qos0" else 1
-        sync = "normal" if scenario.endswith("normal") else "full"
+        receipts = not scenario.endswith("-receipts-off")
+        base = scenario.removesuffix("-receipts-off")
+        qos = 0 if base == "qos0" else 1
+        sync = "normal" if base.endswith("normal") else "full"
         agent_rates: list[float] = []
         bare_rates: list[float] = []
         ratios: list[float] = []
@@ -249,7 +262,9 @@ def main() -> None:
         bare_cpu: list[float] = []
         for r in range(repeat):
             with tempfile.TemporaryDirectory(prefix="iggy-edge-bench-") as tmp:
-                res = one_round(Path(tmp), qos=qos, sync=sync, count=count, agent_first=r % 2 == 0)
+                res = one_round(
+                    Path(tmp), qos=qos, sync=sync, count=count, agent_first=r % 2 == 0, receipts=receipts
+                )
             agent, bare = res["agent"], res["bare"]
             ar = agent["committed"] / agent["seconds"] if agent["seconds"] else 0.0
             br = bare["committed"] / bare["seconds"] if bare["seconds"] else 0.0
@@ -261,7 +276,7 @@ def main() -> None:
             agent_cpu.append(agent["cpu_s"] / max(1, agent["committed"]) * 1e6)
             bare_cpu.append(bare["cpu_s"] / max(1, bare["committed"]) * 1e6)
         ref = spread(bare_rates, 0)
-        common = {"count": count, "repeats": repeat, "qos": qos}
+        common = {"count": count, "repeats": repeat, "qos": qos, "receipts": receipts}
         if qos:
             common["synchronous"] = sync
         else:

@@ -19,6 +19,7 @@ from iggy_edge.config import (
     LoggingSettings,
     MetricsSettings,
     MqttSettings,
+    ReceiptSettings,
     RouteSettings,
     Settings,
     load_config,
@@ -289,6 +290,7 @@ def test_example_mentions_every_key() -> None:
         "buffer": BufferSettings,
         "forward": ForwardSettings,
         "downlink": DownlinkSettings,
+        "receipts": ReceiptSettings,
         "metrics": MetricsSettings,
         "logging": LoggingSettings,
     }
@@ -318,6 +320,7 @@ def test_config_reference_documents_every_key() -> None:
         "buffer": BufferSettings,
         "forward": ForwardSettings,
         "downlink": DownlinkSettings,
+        "receipts": ReceiptSettings,
         "metrics": MetricsSettings,
         "logging": LoggingSettings,
     }

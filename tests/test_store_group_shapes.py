@@ -39,7 +39,9 @@ async def test_groups_of_any_size_keep_order_and_window_rows(tmp_path: Path, siz
         await box.close()
     conn = sqlite3.connect(db)
     try:
-        rows = conn.execute("SELECT seq, mqtt_topic, device_seq, payload FROM outbox_rows ORDER BY seq").fetchall()
+        rows = conn.execute(
+            "SELECT seq, mqtt_topic, device_seq, payload FROM outbox_rows ORDER BY seq"
+        ).fetchall()
         window = conn.execute("SELECT seq, mqtt_topic, device_seq FROM ingest_recent ORDER BY seq").fetchall()
     finally:
         conn.close()

@@ -358,6 +358,30 @@ class DownlinkSettings(_Model):
         return v
 
 
+class ReceiptSettings(_Model):
+    """Delivery receipts to the devices (docs/receipts.md): the newest
+    reading of each device the gateway holds durably, published retained
+    (QoS0) on `topic`, at most once per device per `min_interval_ms`."""
+
+    enabled: bool = True
+    # "committed": after the SQLite commit; "iggy": after Iggy confirmed it
+    mode: Literal["committed", "iggy"] = "committed"
+    topic: str = "edge/{device}/down/receipt"
+    min_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 200
+
+    @field_validator("topic")
+    @classmethod
+    def _device_template(cls, v: str) -> str:
+        if v.count("{device}") != 1 or "+" in v or "#" in v or "\x00" in v:
+            raise ValueError("must contain {device} exactly once and no wildcards or NUL")
+        head, _, tail = v.partition("{device}")
+        if (head and not head.endswith("/")) or not tail.startswith("/"):
+            raise ValueError("{device} must be a whole topic level, e.g. edge/{device}/down/receipt")
+        if len(v.encode()) > 255 - 64:
+            raise ValueError("at most 191 bytes (the topic with a device id must fit in 255)")
+        return v
+
+
 class MetricsSettings(_Model):
     enabled: bool = True
     listen: Annotated[str, AfterValidator(_listen)] = "127.0.0.1:9108"
@@ -380,6 +404,7 @@ class Settings(_Model):
     buffer: BufferSettings = BufferSettings()
     forward: ForwardSettings = ForwardSettings()
     downlink: DownlinkSettings = DownlinkSettings()
+    receipts: ReceiptSettings = ReceiptSettings()
     metrics: MetricsSettings = MetricsSettings()
     logging: LoggingSettings = LoggingSettings()
 

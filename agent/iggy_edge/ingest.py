@@ -33,8 +33,12 @@
 * Redelivery: a message the broker re-sends (DUP) that we had already
   committed (we died between commit and PUBACK) is recognised by (topic,
   device sequence, payload CRC) and acknowledged without a second record, so
-  it keeps its original message id.  Messages without a device sequence are
-  stored again (at-least-once); see docs/consumers.md.
+  it keeps its original message id.  With receipts on (receipts.py) every
+  message with a device sequence is checked, DUP or not: devices re-send
+  what no receipt covered yet, as new publishes.  A recognised message goes
+  to the `copy_observers` (its receipt may have been lost).  Messages
+  without a device sequence are stored again (at-least-once); see
+  docs/consumers.md.
 * Lost session: CONNACK says whether the broker still had our session.  When
   it had forgotten one the agent had (in this process, or in an earlier one:
   the outbox's meta table remembers the client id), the messages it queued
@@ -87,6 +91,9 @@ READ_PAUSE_AT: Final = 10_000
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 QOS0_PENDING_BYTES: Final = 2 * READ_PAUSE_BYTES
 SESSION_META_KEY: Final = "mqtt_session_client_id"
+# Records with a device seq remembered with their pending commit (copies that
+# arrive before it are acknowledged with it); pruned of finished commits at this size.
+UNSETTLED_MAX: Final = 2 * READ_PAUSE_AT
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
@@ -120,6 +127,15 @@ class Ingest:
         # committed, before the acknowledgement; the return path watches
         # device acks here.  Observers must be quick and must not raise.
         self.observers: list[Callable[[str, bytes], None]] = []
+        # Recognise copies without the DUP flag too (devices re-send what no
+        # receipt covered: receipts.py).
+        self.recognise_resends = settings.receipts.enabled
+        # Called (quick, must not raise) with (topic, payload) of each message
+        # recognised as a copy of a committed one (acknowledged, not stored).
+        self.copy_observers: list[Callable[[str, bytes], None]] = []
+        # (topic, device seq, CRC) -> the commit of that record, while it may
+        # still be pending (entries whose commit is done are pruned in bulk)
+        self._unsettled: dict[tuple[str, int, int], asyncio.Future[None]] = {}
         # Called (quick, must not raise) when the broker had forgotten our
         # session: the return path restores the retained configs then.
         self.session_lost_observers: list[Callable[[], None]] = []
@@ -221,8 +237,9 @@ class Ingest:
                     # subscription is new.  We re-subscribe on every connect
                     # of the persistent session; without this the broker would
                     # re-send every retained status each time, stored again
-                    # under new ids.
-                    client.subscribe(sub.filter, qos=sub.qos, retain_handling_options=1)
+                    # under new ids.  no_local: the receipts this session
+                    # publishes (receipts.py) do not come back to it.
+                    client.subscribe(sub.filter, qos=sub.qos, no_local=True, retain_handling_options=1)
             except CONNECT_ERRORS as e:
                 self._metrics.mqtt_reconnects.inc()
                 delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
@@ -381,15 +398,33 @@ class Ingest:
             return done
         assert isinstance(topic, str)  # a bytes topic never routes
         dseq = device_seq_of(payload)
-        if properties.get("dup") and dseq is not None and self._outbox.seen(topic, dseq, zlib.crc32(payload)):
+        if dseq is None or not qos or not (self.recognise_resends or properties.get("dup")):
+            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        key = (topic, dseq, zlib.crc32(payload))
+        if self._outbox.seen(*key):
             self._flush_counts()
-            log.info(
-                "redelivered message on %s (device seq %d) was already committed: not stored twice",
+            self._metrics.ingest_known_copies.inc()
+            log.log(
+                logging.INFO if properties.get("dup") else logging.DEBUG,
+                "message on %s (device seq %d) was already committed: not stored twice",
                 topic,
                 dseq,
             )
+            for observe in self.copy_observers:
+                observe(topic, payload)
             return None
-        return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        # A copy can also arrive while its original still waits for its
+        # group commit (a device re-sends after a broker restart faster than a
+        # slow commit): acknowledge it with the original's commit, store nothing.
+        original = self._unsettled.get(key)
+        if original is not None and not original.done():
+            self._metrics.ingest_known_copies.inc()
+            return original
+        done = self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
+        if len(self._unsettled) >= UNSETTLED_MAX:
+            self._unsettled = {k: f for k, f in self._unsettled.items() if not f.done()}
+        self._unsettled[key] = done
+        return done
 
     def _flush_counts(self) -> None:
         for qos, n in enumerate(self._rx):

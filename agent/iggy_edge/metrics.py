@@ -50,6 +50,11 @@ class Metrics:
             "Unexpected errors handling an MQTT message (each closed the session, which reconnected)",
             registry=r,
         )
+        self.ingest_known_copies = Counter(
+            "iggy_edge_ingest_known_copies",
+            "Messages recognised as copies of committed ones (topic, device seq, CRC): acked, not stored",
+            registry=r,
+        )
         self.mqtt_sessions_lost = Counter(
             "iggy_edge_mqtt_session_lost",
             "Connects where the broker had forgotten the agent's persistent session (messages may be lost)",
@@ -152,6 +157,14 @@ class Metrics:
         self.config_republished = Counter(
             "iggy_edge_config_republished",
             "Desired configs published retained again (restore after the broker lost them, or on demand)",
+            registry=r,
+        )
+        # receipts (receipts.py; the per-device gauges come from its collector)
+        self.receipts_sent = Counter("iggy_edge_receipts_sent", "Receipts published to devices", registry=r)
+        self.receipts_lag = Histogram(
+            "iggy_edge_receipts_lag_seconds",
+            "From a reading being durable (committed, or confirmed by Iggy) to the receipt covering it",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0),
             registry=r,
         )
         for kind in DOWNLINK_ERROR_KINDS:

@@ -40,6 +40,7 @@ from .forward import Forwarder
 from .httpd import http_endpoint
 from .ingest import Ingest
 from .metrics import Metrics
+from .receipts import Receipts
 from .routing import Router
 from .stages import DeadLetterSink, IngestObserver
 from .store import Outbox, StoreError
@@ -142,12 +143,30 @@ class Agent:
         self.outbox: Outbox | None = None
         self.ingest: Ingest | None = None
         self.forwarder: Forwarder | None = None
+        # Delivery receipts to the devices (receipts.py), on ingest's session
+        self.receipts: Receipts | None = None
+        if settings.receipts.enabled:
+            self.receipts = Receipts(settings.receipts, self.metrics, self._publish_receipt)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._store_problem: str | None = None  # why the buffer cannot be opened yet
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _publish_receipt(self, topic: str, payload: bytes, retain: bool) -> bool:
+        """QoS0 on ingest's session (receipts.py says why); False while
+        there is no session."""
+        ingest = self.ingest
+        client = None if ingest is None else ingest.client
+        if client is None or ingest is None or not ingest.connected.is_set():
+            return False
+        try:
+            client.publish(topic, payload, qos=0, retain=retain)
+        except (OSError, RuntimeError, AttributeError) as e:  # the connection went away under us
+            log.debug("receipt on %s not published: %s", topic, e)
+            return False
+        return True
 
     @property
     def dead_letters(self) -> DeadLetterSink:
@@ -259,8 +278,13 @@ class Agent:
             s.buffer.overflow,
         )
         self.ingest = ingest = Ingest(s, outbox, self.router, self.metrics)
+        receipts = self.receipts
+        if receipts is not None:
+            ingest.observers.append(receipts.observe)
+            ingest.copy_observers.append(receipts.observe_copy)
         if self.uplink is not None:
-            self.forwarder = Forwarder(outbox, self.uplink, s.forward, self.metrics)
+            source = outbox if receipts is None or s.receipts.mode != "iggy" else receipts.confirm_tap(outbox)
+            self.forwarder = Forwarder(source, self.uplink, s.forward, self.metrics)
         else:
             log.warning("no uplink configured (set IGGY_ADDRESS or [iggy] kind): records stay in the outbox")
         try:
@@ -272,6 +296,8 @@ class Agent:
                         self._supervise("forward", self.forwarder.run), name="forward"
                     )
                 others = [tg.create_task(self._supervise("housekeeping", self._housekeeping))]
+                if receipts is not None:
+                    others.append(tg.create_task(self._supervise("receipts", receipts.run), name="receipts"))
                 for comp in components:
                     name = getattr(comp, "__name__", "component")
                     others.append(

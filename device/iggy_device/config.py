@@ -41,6 +41,11 @@ DEFAULTS = {
     "msg_max_bytes": 4096,  # inbound payloads over this are read in chunks and thrown away
     "inbox_bytes": 8192,  # inbound messages held before handling; the rest waits at the broker
     "drain_per_poll": 32,
+    # keep readings in flash until the gateway's receipt covers them (not
+    # only until the broker's PUBACK); with none for receipt_timeout_ms
+    # while readings wait, fall back to PUBACK until a receipt arrives
+    "receipts": True,
+    "receipt_timeout_ms": 15000,
     "wdt_ms": 0,  # 0 = no watchdog; ESP32 cannot stop a started WDT
     # > 0: a watchdog never fed, so the board resets after this long awake
     # whatever hangs (battery boards); replaces wdt_ms
@@ -104,6 +109,7 @@ class Config:
             "socket_timeout_s",
             "msg_max_bytes",
             "inbox_bytes",
+            "receipt_timeout_ms",
         ):
             if not isinstance(merged[k], int) or merged[k] < 0:
                 raise ConfigError(k + " must be a non-negative integer")

@@ -14,6 +14,9 @@
 #   publish, from inside the wait for PUBACK.  Publishing from that callback
 #   would nest a second PUBACK wait and swallow the first, so the callback only
 #   queues; ``poll()`` handles the queue afterwards.
+# - Receipts (receipts.py, on by default): readings stay in the ring after
+#   PUBACK until the gateway's receipt covers them; a new connection re-sends
+#   from the oldest unreceipted one.
 # - Commands: run once per id (recent ids persisted with their ack), ack on
 #   up/ack through the same buffered path as telemetry, so an ack survives a
 #   lost connection too.
@@ -113,6 +116,11 @@ class Device:
         self._up = {}
         self._config_path = d + "/desired.json"
         self._config_raw = fsutil.read(self._config_path)
+        self.receipts = None  # receipts.py, loaded only when on (heap)
+        if cfg.receipts:
+            from .receipts import Receipts
+
+            self.receipts = Receipts(self)
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -273,6 +281,10 @@ class Device:
         d["heap_alloc"] = alloc
         d["reset"] = self.reset_cause
         d["seq_recovered"] = 1 if self.seq.recovered else 0
+        if self.receipts is None:
+            d["receipt_mode"] = "off"
+        else:
+            self.receipts.diag(d)
         for k in self.stats:
             d[k] = self.stats[k]
         # messages over msg_max_bytes and MemoryErrors count as bad messages:
@@ -294,7 +306,8 @@ class Device:
         return t
 
     def _send(self, channel, payload):
-        if self._client is not None and not len(self.ring):
+        ring = self.ring
+        if self._client is not None and not len(ring) and not ring.hold:
             try:
                 self._pub(channel, payload)
                 return
@@ -303,10 +316,19 @@ class Device:
             except MemoryError as e:  # receiving during the PUBACK wait
                 self._oom(e)
                 self._lost(e)
-        lost = self.ring.append(channel, payload)
-        self.stats["buffered"] += 1
+        if self._client is None or len(ring) > ring.unreceipted():
+            self.stats["buffered"] += 1  # waits for a connection or behind others
+        evicted = ring.evicted
+        lost = ring.append(channel, payload)
         if lost:
-            self.log("buffer full: dropped", lost, "oldest readings, total", self.ring.dropped)
+            self.log("buffer full: dropped", lost, "oldest readings, total", ring.dropped)
+        if ring.evicted != evicted and self.receipts is not None:
+            self.receipts.before_send(None, True)
+        if ring.hold and self._client is not None:
+            try:  # held until its receipt: send it now, behind anything unsent
+                self._drain(self.cfg.drain_per_poll)
+            except NET_ERRORS as e:
+                self._lost(e)
 
     def _pub(self, channel, payload):
         c = self._client
@@ -317,6 +339,9 @@ class Device:
         self.stats["sent"] += 1
 
     def _drain(self, limit):
+        r = self.receipts
+        if r is not None and self._client is not None and not r.before_send(self._client):
+            return  # a new connection waits for the gateway's first receipt
         n = 0
         while n < limit and self._client is not None:
             rec = self.ring.peek()
@@ -507,6 +532,8 @@ class Device:
                     self._handle_command(msg)
                 elif topic == self._b_config:
                     self._handle_config(msg)
+                elif self.receipts is not None and topic == self.receipts.topic_b:
+                    self.receipts.handle(msg)
             except MemoryError as e:
                 self._oom(e)
             msg = None

@@ -22,10 +22,34 @@
 #   leftover file below the head is removed at open.
 # - Only the segment list (a few small lists) is held in RAM; records are read
 #   one line at a time.
+# - Receipts (``hold``): a sent record (PUBACK) stays in flash until the
+#   gateway's receipt covers it.  Two cursors: the send cursor (RAM only) is
+#   where ``peek()`` reads; the read cursor in ``meta`` is the receipt's.
+#   ``receipts.release(ring, seq, crc)`` walks the records and moves the read
+#   cursor past the one the receipt names (and the seq-less command acks
+#   right after it); a receipt that names no record releases nothing.  ``rewind()``
+#   sends again from the read cursor (every new connection: the broker may
+#   have lost what it acknowledged).  A seq-less record sent with nothing held
+#   before it leaves at PUBACK (no receipt can name it).  Without ``hold``
+#   both cursors move together at ``pop()``, as before receipts.
 import json
 import os
 
 from . import fsutil
+
+_SEQ = b'"seq":'
+
+
+def seq_of(payload):
+    """The ``"seq":n`` of a reading payload (bytes), or None (command acks
+    carry none).  MicroPython's json does not keep key order: search."""
+    i = payload.find(_SEQ) + 6
+    if i < 6:
+        return None
+    j = i
+    while payload[j : j + 1].isdigit():
+        j += 1
+    return int(payload[i:j]) if j > i else None
 
 
 class Ring:
@@ -38,10 +62,14 @@ class Ring:
         self.segment_bytes = segment_bytes
         self.max_segments = max_bytes // segment_bytes
         self.cursor_every = cursor_every
+        # hold: keep sent records until receipts.release() covers them;
+        # off: a sent record leaves at pop() (the broker's PUBACK)
+        self.hold = False
         fsutil.makedirs(dir)
         meta = self._load_meta()
         head = meta.get("h", 0)
         self.dropped = meta.get("d", 0)
+        self.evicted = 0  # held records that had to go before their receipt
         self._off = meta.get("o", 0)
         self._read = meta.get("r", 0)
         names = []
@@ -67,16 +95,23 @@ class Ring:
             self._read = self._segs[0][2]
         self._tail_torn = torn
         self._next_n = self._segs[-1][0] + 1 if self._segs else head
-        self._reader = None
+        self._reader = None  # open on the send cursor's segment
         self._peeked = 0
+        self._peek_seq = None
         self._unsaved = 0
+        self.rewind()
 
     # -- queries -----------------------------------------------------------
     def __len__(self):
+        """Records still in the ring: unsent, and sent but not released."""
         n = -self._read
         for s in self._segs:
             n += s[2]
         return n
+
+    def unreceipted(self):
+        """Records sent (PUBACK) and held for a receipt."""
+        return self._unreceipted
 
     def bytes_used(self):
         n = 0
@@ -85,7 +120,13 @@ class Ring:
         return n
 
     def stats(self):
-        return {"buffered": len(self), "bytes": self.bytes_used(), "dropped": self.dropped}
+        return {
+            "buffered": len(self),
+            "bytes": self.bytes_used(),
+            "dropped": self.dropped,
+            "unreceipted": self._unreceipted,
+            "evicted": self.evicted,
+        }
 
     # -- writer ------------------------------------------------------------
     def append(self, channel, payload):
@@ -110,47 +151,69 @@ class Ring:
             f.write(line)
         tail[1] += n
         tail[2] += 1
-        if tail is self._segs[0]:
+        if tail is self._segs[self._si]:
             self._close_reader()  # a cached reader may not see the new line
         return lost
 
-    # -- reader ------------------------------------------------------------
+    # -- reader (the send cursor) ------------------------------------------
     def peek(self):
-        """Oldest unread record as (channel, payload bytes), or None.  It
-        stays in the ring until ``pop()`` confirms it was delivered."""
+        """Oldest unsent record as (channel, payload bytes), or None.  It
+        stays in the ring until ``pop()`` confirms it was delivered (and,
+        with ``hold``, until ``receipts.release()`` covers it)."""
         while self._segs:
-            head = self._segs[0]
-            if self._read >= head[2]:
-                if len(self._segs) == 1:
+            seg = self._segs[self._si]
+            if self._sread >= seg[2]:
+                if self._si + 1 >= len(self._segs):
                     return None
-                self._finish_head()
+                self._close_reader()
+                self._si += 1
+                self._soff = self._sread = 0
                 continue
             if self._reader is None:
-                self._reader = open(self._path(head[0]), "rb")
-                self._reader.seek(self._off)
+                self._reader = open(self._path(seg[0]), "rb")
+                self._reader.seek(self._soff)
             line = self._reader.readline()
             if not line.endswith(b"\n"):
                 # count said there was a complete line: the file changed
                 # under us (or was torn); treat the segment as finished
-                head[2] = self._read
+                seg[2] = self._sread
                 continue
             self._peeked = len(line)
             i = line.find(b" ")
-            return line[:i].decode(), line[i + 1 : -1]
+            payload = line[i + 1 : -1]
+            self._peek_seq = seq_of(payload)
+            return line[:i].decode(), payload
         return None
 
     def pop(self):
+        """The peeked record was sent (PUBACK)."""
         if not self._peeked:
             raise ValueError("ring: pop() without peek()")
-        self._off += self._peeked
+        self._soff += self._peeked
         self._peeked = 0
-        self._read += 1
-        self._unsaved += 1
-        head = self._segs[0]
-        if self._read >= head[2]:
-            self._finish_head()  # drained segments leave flash at once
-        elif self._unsaved >= self.cursor_every:
-            self._save_meta()
+        self._sread += 1
+        if not self.hold or (self._unreceipted == 0 and self._peek_seq is None):
+            # PUBACK is enough: without hold, or for a record without seq
+            # (a command ack: no receipt can name it) with nothing held before it
+            self._release_to(self._si, self._soff, self._sread)
+        else:
+            self._unreceipted += 1
+
+    def rewind(self):
+        """Send again from the oldest held record (after a reconnect: the
+        broker may have lost what it acknowledged)."""
+        self._close_reader()
+        self._si = 0
+        self._soff = self._off
+        self._sread = self._read
+        self._peeked = 0
+        self._unreceipted = 0
+
+    def release_all(self):
+        """Release every sent record (falling back to PUBACK)."""
+        n = self._unreceipted
+        self._release_to(self._si, self._soff, self._sread)
+        return n
 
     def flush(self):
         """Persist the read cursor (call before deep sleep or reset)."""
@@ -165,6 +228,7 @@ class Ring:
             self._off = self._read = 0
             self._save_meta()
             fsutil.remove(self._path(n))
+        self.rewind()
 
     # -- internals -----------------------------------------------------------
     def _path(self, n):
@@ -173,20 +237,65 @@ class Ring:
     def _head_number(self):
         return self._segs[0][0] if self._segs else self._next_n
 
+    def _release_to(self, si, off, read):
+        """Move the read (receipt) cursor to (segment index, offset, records
+        read).  Records released before the send cursor were held."""
+        if si > self._si or (si == self._si and read >= self._sread):
+            # at or past the send cursor: nothing stays held, send from here
+            self._close_reader()
+            self._si, self._soff, self._sread = si, off, read
+            self._peeked = 0
+            self._unreceipted = 0
+            held = False
+        else:
+            held = True
+        n = 0
+        while si > 0:
+            n += self._segs[0][2] - self._read
+            self._finish_head()
+            si -= 1
+        n += read - self._read
+        self._off = off
+        self._read = read
+        if held:
+            self._unreceipted -= n
+        self._unsaved += n
+        while self._segs and self._read >= self._segs[0][2]:
+            if self._si == 0:
+                # the send cursor is at the end of this segment too
+                self._close_reader()
+                self._si = 1
+                self._soff = self._sread = 0
+            self._finish_head()  # drained segments leave flash at once
+        if self._unsaved >= self.cursor_every:
+            self._save_meta()
+
     def _finish_head(self):
-        self._close_reader()
+        if self._si == 0:
+            self._close_reader()
         n = self._segs.pop(0)[0]
+        self._si -= 1
         self._off = self._read = 0
         self._save_meta()
         fsutil.remove(self._path(n))
 
     def _drop_head(self):
-        self._close_reader()
+        # Held records (sent, PUBACK, no receipt yet) in the dropped segment
+        # are ``evicted``, not ``dropped``: the broker acknowledged them.
         n, _size, count = self._segs.pop(0)
-        lost = count - self._read
+        if self._si == 0:
+            self._close_reader()
+            sent = self._sread - self._read
+            self._soff = self._sread = 0
+            self._peeked = 0
+        else:
+            sent = count - self._read
+            self._si -= 1
+        self._unreceipted -= sent
+        self.evicted += sent
+        lost = count - self._read - sent
         self.dropped += lost
         self._off = self._read = 0
-        self._peeked = 0
         self._save_meta()
         fsutil.remove(self._path(n))
         return lost

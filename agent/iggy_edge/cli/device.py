@@ -36,7 +36,8 @@ import typer
 from .. import ca_paths
 from . import device_credentials as creds
 from . import device_flash
-from .common import fail
+from .common import DEFAULT_CONFIG, fail
+from .device_receipts import show_unreceipted
 
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
 app.add_typer(creds.app, name="credentials")
@@ -737,8 +738,18 @@ def parse_port_list(output: str) -> list[Port]:
 @app.command("list")
 def list_boards(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Agent configuration: also list the devices holding readings this gateway has not "
+            "receipted yet (default: /etc/iggy-edge/config.toml when it exists).",
+        ),
+    ] = None,
 ) -> None:
-    """List serial ports; USB-serial bridges used on ESP32 boards are marked."""
+    """List serial ports (USB-serial bridges used on ESP32 boards are marked)
+    and, from the running agent, devices holding unreceipted readings."""
     try:
         output = run_mpremote([_tool("mpremote"), "connect", "list"], "list", timeout=30)
     except ProvisionError as e:
@@ -747,11 +758,11 @@ def list_boards(
     if as_json:
         for p in ports:
             typer.echo(json.dumps({**p.__dict__, "bridge": p.bridge}))
-        return
-    if not ports:
+    elif not ports:
         typer.echo("no serial ports found: plug the board in (and check the USB cable carries data)")
-        return
-    typer.echo(f"{'PORT':<16} {'VID:PID':<10} {'BOARD?':<28} DESCRIPTION")
-    for p in ports:
-        desc = " ".join(x for x in (p.manufacturer, p.product) if x != "None")
-        typer.echo(f"{p.device:<16} {p.vid_pid:<10} {p.bridge or '-':<28} {desc}")
+    else:
+        typer.echo(f"{'PORT':<16} {'VID:PID':<10} {'BOARD?':<28} DESCRIPTION")
+        for p in ports:
+            desc = " ".join(x for x in (p.manufacturer, p.product) if x != "None")
+            typer.echo(f"{p.device:<16} {p.vid_pid:<10} {p.bridge or '-':<28} {desc}")
+    show_unreceipted(config or DEFAULT_CONFIG, explicit=config is not None, as_json=as_json)
