@@ -121,9 +121,21 @@ class Config:
             raise ConfigError("tls needs ca_file: the gateway CA certificate (iggy-edge device provision --tls)")
         if merged["user"] is not None and merged["password"] is None:
             raise ConfigError("user is set but password is not (config.local.json)")
-        for k in merged:
-            setattr(self, k, merged[k])
+        # The values stay in `merged`, read through __getattr__: copying about
+        # 50 keys into the instance's own table needed one more contiguous
+        # block at boot (752 bytes on the Unix port), which the heap right
+        # after the imports does not always have.  An attribute set later
+        # (`cfg.period_ms = p`) is an ordinary one and wins.
+        self._v = merged
         self.app = merged.get("app") or {}
+
+    def __getattr__(self, k):
+        if k == "_v":
+            raise AttributeError(k)
+        try:
+            return self._v[k]
+        except KeyError:
+            raise AttributeError(k) from None
 
 
 def load(path="config.json", local="config.local.json"):

@@ -343,7 +343,7 @@ def test_provisioning_flow_on_a_used_board_then_it_runs(
     assert (old_lib / "node.mpy").exists()
     # the board boots into the new example (cycles shortened for the test)
     cfg = json.loads(flash.text("config.json"))
-    cfg.update(cycles=3, period_ms=0)
+    cfg.update(cycles=3, period_ms=0, receipts=False)  # no agent here to send receipts
     flash.path("config.json").write_text(json.dumps(cfg))
     board = Board(flash).start()
     assert board.wait(60) == 0, board.console()[-3000:]

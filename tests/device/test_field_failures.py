@@ -50,6 +50,9 @@ def _config(broker: Broker, device_id: str, **extra: Any) -> dict[str, Any]:
         "backoff_base_ms": 100,
         "backoff_max_ms": 800,
         "wdt_ms": 5000,
+        # no agent here: the broker's PUBACK is the end of the line (receipts:
+        # tests/device/test_receipts_device.py)
+        "receipts": False,
         **extra,
     }
 

@@ -64,6 +64,9 @@ def _config(port: int, device_id: str, **extra: Any) -> dict[str, Any]:
         "backoff_base_ms": 100,
         "backoff_max_ms": 800,
         "wdt_ms": 3000,  # every step gives up after wdt_ms/3 = 1 s
+        # no agent here: the broker's PUBACK is the end of the line (receipts:
+        # tests/device/test_receipts_device.py)
+        "receipts": False,
         **extra,
     }
 
