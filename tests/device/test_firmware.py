@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +32,6 @@ pytestmark = pytest.mark.micropython
 @pytest.fixture(autouse=True)
 def _needs_micropython() -> None:
     require_micropython()
-
-
-@pytest.fixture
-def subscribe(broker: Broker, tmp_path: Path) -> Iterator[Callable[[str], MqttLog]]:
-    """subscribe(device_id) -> every message under edge/{device_id}/#."""
-    logs: list[MqttLog] = []
-
-    def start(dev: str) -> MqttLog:
-        log = MqttLog(broker, f"edge/{dev}/#", tmp_path, f"sub-{dev}")
-        logs.append(log)
-        return log
-
-    yield start
-    for log in logs:
-        log.stop()
 
 
 def _dev_id(prefix: str) -> str:

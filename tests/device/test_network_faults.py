@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +36,6 @@ CONNACK = b"\x20\x02\x00\x00"  # session not present, accepted
 @pytest.fixture(autouse=True)
 def _needs_micropython() -> None:
     require_micropython()
-
-
-@pytest.fixture
-def subscribe(broker: Broker, tmp_path: Path) -> Iterator[Callable[[str], MqttLog]]:
-    logs: list[MqttLog] = []
-
-    def start(dev: str) -> MqttLog:
-        log = MqttLog(broker, f"edge/{dev}/#", tmp_path, f"sub-{dev}")
-        logs.append(log)
-        return log
-
-    yield start
-    for log in logs:
-        log.stop()
 
 
 def _dev_id(prefix: str) -> str:
