@@ -49,8 +49,9 @@ from iggy_device import config
 from iggy_device.node import Device
 gc.collect(); lib_code = gc.mem_alloc() - a
 a = gc.mem_alloc()
+# receipts off: no agent here, the broker's PUBACK ends a reading's trip
 cfg = config.Config({"device_id": "bench", "broker": "127.0.0.1", "port": PORT, "wifi_ssid": "x",
-                     "period_ms": 0, "log": 0, "data_dir": "data", "receipts": False})  # no agent: PUBACK ends it
+                     "period_ms": 0, "log": 0, "data_dir": "data", "receipts": False})
 dev = Device(cfg)
 assert dev.connect()
 N = CYCLES
