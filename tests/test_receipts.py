@@ -36,12 +36,14 @@ class Device:
     def __init__(self, broker: Broker, dev: str) -> None:
         self.dev = dev
         self.receipts: list[tuple[dict[str, Any], bool]] = []
+        self.arrivals: list[float] = []  # monotonic, one per receipt
         self.client = gmqtt.Client(f"{dev}-test", clean_session=True)
         self.client.on_message = self._on_message
         self._broker = broker
 
     def _on_message(self, client: Any, topic: str, payload: bytes, qos: int, props: dict[str, Any]) -> int:
         self.receipts.append((json.loads(payload), bool(props.get("retain"))))
+        self.arrivals.append(time.monotonic())
         return 0
 
     async def connect(self) -> Device:
@@ -82,7 +84,10 @@ async def test_receipt_names_the_newest_committed_reading_throttled(tmp_path: Pa
     async with running_agent(settings, iggy.uplink()) as agent:
         dev = await Device(broker, "rc-a").connect()
         started = time.monotonic()
-        payloads = [dev.publish(i) for i in range(50)]
+        payloads = []
+        for i in range(50):  # spread over about 1 s: unthrottled, that is a receipt per commit
+            payloads.append(dev.publish(i))
+            await asyncio.sleep(0.02)
         await async_wait_until(lambda: dev.last() == {"seq": 49, "crc": zlib.crc32(payloads[49])}, 10)
         elapsed = time.monotonic() - started
         await asyncio.sleep(0.5)  # nothing more comes: the trailing receipt was the last
@@ -93,6 +98,10 @@ async def test_receipt_names_the_newest_committed_reading_throttled(tmp_path: Pa
     # at most one per 300 ms window (plus the first), and the last covers seq 49
     assert 1 <= len(dev.receipts) <= 2 + elapsed / 0.3, (len(dev.receipts), elapsed)
     assert len(dev.receipts) < 50
+    # the throttle itself, independent of how long the run took: receipts
+    # come min_interval_ms (300) apart, less what delivery jitter takes off
+    gaps = [b - a for a, b in zip(dev.arrivals, dev.arrivals[1:], strict=False)]
+    assert all(g >= 0.15 for g in gaps), gaps
     assert sent == len(dev.receipts) == lag_count
     seqs = [r["seq"] for r, _ in dev.receipts]
     assert seqs == sorted(seqs)
