@@ -244,24 +244,35 @@ class MemoryUplink:
             except UplinkRejected as e:
                 raise UplinkRejected(str(e), confirmed=frozenset(confirmed)) from None
             for p, group in iggy._partitioner.split(stream, topic, len(parts), records):
-                if iggy.validate:
-                    bad = [(r.seq, x) for r in group if (x := record_problem(r)) is not None]
-                    if bad:
-                        raise UplinkRejected(
-                            f"memory iggy: records Iggy cannot carry: {bad}",
-                            confirmed=frozenset(confirmed),
-                        )
-                fault = iggy._take_fault()
-                if fault is not None:
-                    iggy.failed_requests += 1
-                    what = f"injected failure on {stream}/{topic}/{p}"
-                    if fault.ambiguous:
-                        iggy._append(parts[p], group)
-                        raise UplinkAmbiguous(what + " (stored)", confirmed=frozenset(confirmed))
-                    raise UplinkUnavailable(what, confirmed=frozenset(confirmed))
-                iggy._append(parts[p], group)
-                iggy.requests += 1
+                self._store(stream, topic, parts, p, group, frozenset(confirmed))
                 confirmed.extend([r.seq for r in group])
+
+    def _store(
+        self,
+        stream: str,
+        topic: str,
+        parts: list[MemoryPartition],
+        p: int,
+        group: list[OutboundRecord],
+        confirmed: frozenset[int],
+    ) -> None:
+        """One partition's request: validation, injected faults, the append.
+        `confirmed`: what earlier requests of the same send already stored."""
+        iggy = self.iggy
+        if iggy.validate:
+            bad = [(r.seq, x) for r in group if (x := record_problem(r)) is not None]
+            if bad:
+                raise UplinkRejected(f"memory iggy: records Iggy cannot carry: {bad}", confirmed=confirmed)
+        fault = iggy._take_fault()
+        if fault is not None:
+            iggy.failed_requests += 1
+            what = f"injected failure on {stream}/{topic}/{p}"
+            if fault.ambiguous:
+                iggy._append(parts[p], group)
+                raise UplinkAmbiguous(what + " (stored)", confirmed=confirmed)
+            raise UplinkUnavailable(what, confirmed=confirmed)
+        iggy._append(parts[p], group)
+        iggy.requests += 1
 
     async def lanes(self, batch: Sequence[OutboundRecord]) -> list[tuple[Lane, list[OutboundRecord]]]:
         """`LanedUplink.lanes`: one lane per (stream, topic, partition)."""
@@ -279,22 +290,7 @@ class MemoryUplink:
             await asyncio.sleep(iggy.latency_s)
         iggy._check_down("send")
         stream, topic, p = lane
-        group = list(records)
-        if iggy.validate:
-            bad = [(r.seq, x) for r in group if (x := record_problem(r)) is not None]
-            if bad:
-                raise UplinkRejected(f"memory iggy: records Iggy cannot carry: {bad}")
-        parts = iggy._topic(stream, topic)
-        fault = iggy._take_fault()
-        if fault is not None:
-            iggy.failed_requests += 1
-            what = f"injected failure on {stream}/{topic}/{p}"
-            if fault.ambiguous:
-                iggy._append(parts[p], group)
-                raise UplinkAmbiguous(what + " (stored)")
-            raise UplinkUnavailable(what)
-        iggy._append(parts[p], group)
-        iggy.requests += 1
+        self._store(stream, topic, iggy._topic(stream, topic), p, list(records), frozenset())
 
     async def close(self) -> None:
         self.closed = True
