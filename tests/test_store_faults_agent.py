@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.buffer_admin import read_stats
+from iggy_edge.store.db import StoreError
 from iggy_edge.uplink.file import read_records
 
 from tests.support.broker import Broker
@@ -125,8 +126,13 @@ async def until_subscribed(broker: Broker, db: Path) -> None:
         for n in range(100):
             await pub.publish("edge/probe/up/env", b'{"seq":%d}' % n)
             await asyncio.sleep(0.2)
-            if db.exists() and read_stats(db).records + sum(read_stats(db).drops_by_reason.values()) > 0:
-                return
+            if db.exists():
+                try:
+                    stats = read_stats(db)
+                except StoreError:  # the agent is still creating the file's schema
+                    continue
+                if stats.records + sum(stats.drops_by_reason.values()) > 0:
+                    return
         raise AssertionError("agent never subscribed")
     finally:
         await pub.close()
