@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,3 +29,13 @@ def _no_ambient_iggy_env(monkeypatch: pytest.MonkeyPatch) -> None:
     developer's shell must not switch a test's uplink or broker."""
     for var in [v for v in os.environ if v.startswith("IGGY_")]:
         monkeypatch.delenv(var)
+
+
+@pytest.fixture(autouse=True)
+def _leaks_show_in_the_test_that_made_them() -> Iterator[None]:
+    """Collect garbage after every test: a socket or transport left open is
+    reported (as an error, filterwarnings = error) in the teardown of the test
+    that leaked it, not in whichever later test the collector happens to run.
+    A CI run once failed a downlink test for a socket some earlier test left."""
+    yield
+    gc.collect()

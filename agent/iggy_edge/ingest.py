@@ -71,7 +71,7 @@ from .backoff import backoff_delay
 from .config import Settings
 from .logs import RateLimitedLog
 from .metrics import Metrics
-from .mqttconn import CONNECT_ERRORS, connect, set_credentials
+from .mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from .routing import Rejected, Router
 from .store import Incoming, Outbox, StoreError, device_seq_of
 from .timeouts import wait_for
@@ -153,6 +153,9 @@ class Ingest:
         self._session_present = False
         self._had_session = False
         self.sessions_lost = 0
+        # The client of the current connection or connect attempt (closed
+        # when run() is cancelled while holding it).
+        self._attempt: gmqtt.Client | None = None
         hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
         heap.fix_mmap_threshold()  # large payloads give their memory back (heap.py)
 
@@ -214,13 +217,23 @@ class Ingest:
                 log.warning("cannot write the MQTT session flag to the outbox: %s", e)
 
     async def run(self) -> None:
-        """Keep the session up until `stop()`; reconnect with backoff."""
+        """Keep the session up until `stop()`; reconnect with backoff.  A
+        cancelled run closes the connection it holds (the broker keeps the
+        session either way)."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self._attempt is not None:
+                await close(self._attempt)
+            raise
+
+    async def _run(self) -> None:
         attempt = 0
         # A restart by the supervisor after a failed commit tries the store
         # again: a full disk that was freed must not leave ingest stopped.
         self._store_broken.clear()
         while not self._stopping.is_set():
-            client = self._make_client()
+            client = self._attempt = self._make_client()
             self._lost.clear()
             try:
                 self._session_present = False
@@ -341,8 +354,9 @@ class Ingest:
             self._client = None
 
     async def _close_client(self, client: gmqtt.Client) -> None:
-        with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
-            await wait_for(client.disconnect(), 5)
+        await close(client)
+        if self._attempt is client:
+            self._attempt = None
 
     async def _sleep_or_stop(self, delay: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -4,6 +4,7 @@ persistent ingest session must never be shared with the publisher.)"""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from typing import Final
 
@@ -32,10 +33,28 @@ def set_credentials(client: gmqtt.Client, mqtt: MqttSettings) -> None:
 
 
 async def connect(client: gmqtt.Client, mqtt: MqttSettings) -> None:
-    """Connect (MQTT 5), bounded by CONNECT_TIMEOUT_S; raises one of CONNECT_ERRORS."""
-    await wait_for(
-        client.connect(
-            mqtt.host, mqtt.port, ssl=ssl_context(mqtt), keepalive=mqtt.keepalive_s, version=MQTTv50
-        ),
-        CONNECT_TIMEOUT_S,
-    )
+    """Connect (MQTT 5), bounded by CONNECT_TIMEOUT_S; raises one of CONNECT_ERRORS.
+
+    A connect that fails after the TCP connection was made (no CONNACK in
+    time, a refusal, a cancellation) leaves gmqtt holding that socket: it is
+    closed here before the error goes on, whatever the error is."""
+    try:
+        await wait_for(
+            client.connect(
+                mqtt.host, mqtt.port, ssl=ssl_context(mqtt), keepalive=mqtt.keepalive_s, version=MQTTv50
+            ),
+            CONNECT_TIMEOUT_S,
+        )
+    except BaseException:
+        await close(client)
+        raise
+
+
+async def close(client: gmqtt.Client, timeout: float = 5.0) -> None:
+    """Close `client`'s connection in whatever state it is: connected, half
+    way through a connect, or lost.  gmqtt's `disconnect()` closes the socket
+    before its first await, so even a cancelled caller leaves nothing open
+    (`is_connected` is False until the CONNACK: checking it first would
+    leak the socket of a connect that got no answer)."""
+    with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
+        await wait_for(client.disconnect(), timeout)

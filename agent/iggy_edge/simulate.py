@@ -46,10 +46,10 @@ class SimulatedSensor:
             f"sim-{self.device_id}", will_message=gmqtt.Message(status, b"offline", qos=1, retain=True)
         )
         client.set_config({"reconnect_retries": -1, "reconnect_delay": 1})
-        await client.connect(host, port, version=MQTTv311)
-        client.publish(status, b"online", qos=1, retain=True)
-        period = 1.0 / self.rate_hz
         try:
+            await client.connect(host, port, version=MQTTv311)
+            client.publish(status, b"online", qos=1, retain=True)
+            period = 1.0 / self.rate_hz
             while not stop.is_set():
                 client.publish(f"edge/{self.device_id}/up/env", self.reading(), qos=self.qos)
                 self.sent += 1

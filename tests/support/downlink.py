@@ -74,10 +74,14 @@ class DeviceSubscriber:
         subscribed = asyncio.get_running_loop().create_future()
         client.on_message = self._on_message
         client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)
-        await client.connect(self.host, self.port, version=MQTTv50)
-        client.subscribe(self.filter, qos=1)
-        await asyncio.wait_for(subscribed, 5)
         self._client = client
+        try:
+            await client.connect(self.host, self.port, version=MQTTv50)
+            client.subscribe(self.filter, qos=1)
+            await asyncio.wait_for(subscribed, 5)
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     def _on_message(

@@ -23,7 +23,6 @@ Exit status 0 when nothing failed (warnings allowed), 1 otherwise.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from ..buffer_admin import read_stats
 from ..config import ConfigError, IggySettings, Settings, load_config
 from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
+from ..mqttconn import close
 from ..store import ROW_OVERHEAD, StoreError
 from ..timeouts import wait_for
 from ..uplink.iggy import IggyProbe
@@ -249,9 +249,8 @@ def _no_reconnect() -> None:
 
 
 async def _quiet_disconnect(client: gmqtt.Client) -> None:
-    if client.is_connected:
-        with contextlib.suppress(TimeoutError, OSError, RuntimeError):
-            await wait_for(client.disconnect(), 2)
+    # Not only when connected: a connect that got no CONNACK holds its socket.
+    await close(client, 2)
 
 
 async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Check]:

@@ -65,7 +65,7 @@ from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
-from ..mqttconn import CONNECT_ERRORS, connect, set_credentials
+from ..mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import REPUBLISH, Inbox, PendingCommand, PendingConfig
@@ -157,16 +157,15 @@ class Deliverer:
         set_credentials(client, self._mqtt)
         self._lost.clear()
         try:
-            await connect(client, self._mqtt)
+            await connect(client, self._mqtt)  # closes the client when it fails
         except CONNECT_ERRORS:
-            await self._close(client, tracker)
+            tracker.fail_all()
             raise
         return client, tracker
 
     async def _close(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
         tracker.fail_all()
-        with contextlib.suppress(OSError, RuntimeError, AttributeError, TimeoutError):
-            await wait_for(client.disconnect(), 5)
+        await close(client)
 
     async def run(self) -> None:
         """Deliver until cancelled; reconnect with backoff; expire meanwhile."""
