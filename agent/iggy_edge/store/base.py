@@ -72,6 +72,10 @@ class OutboxBase:
         self._recent_count = 0
         self.records = 0
         self.bytes = 0
+        # At least the largest payload in the outbox or on its way there (a
+        # high-water mark since the outbox was last empty): read_batch uses
+        # it to keep a batch read within its byte limit.
+        self.payload_high = 0
         self._committer: asyncio.Task[None] | None = None
         # payload bytes handed over (records and dead letters), not yet committed
         self._pending_bytes = 0

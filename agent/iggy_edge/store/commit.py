@@ -69,8 +69,10 @@ class GroupCommit(DeadLetters, Bounds):
         if group.done is None:
             group.done = asyncio.get_running_loop().create_future()
         group.items.append(item)
-        group.nbytes += len(item.payload)
-        self._pending_bytes += len(item.payload)
+        n = len(item.payload)
+        group.nbytes += n
+        self._pending_bytes += n
+        self.payload_high = max(self.payload_high, n)
         if len(group.items) == 1 or len(group.items) >= self._settings.commit_max_records:
             self._wakeup.set()
         return group.done

@@ -21,7 +21,7 @@ from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
 from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
-from .schema import OUTBOX_TOTALS_SQL, RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+from .schema import OUTBOX_LOAD_SQL, RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +116,11 @@ class Outbox(GroupCommit, ReadConfirm):
             self._route_names[rid] = (stream, topic)
         sources = await self._db.fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
         self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in sources})
-        row = await self._db.fetchone(OUTBOX_TOTALS_SQL)
+        row = await self._db.fetchone(OUTBOX_LOAD_SQL)
         assert row is not None
         self.records = int(row[0])
         self.bytes = int(row[1]) + ROW_OVERHEAD * self.records
+        self.payload_high = int(row[2])
         # In chunks, oldest first: a list of the whole window's rows (3.8 MB at
         # 20k) on top of the window itself raised the RSS of an agent
         # restarted with a backlog for the rest of its life.

@@ -21,6 +21,31 @@ from .base import OutboxBase
 from .schema import ROW_OVERHEAD
 
 _QOS: Final = ("0", "1", "2", "3")
+
+# The oldest records after ?1: at most ?2 of them, and no more payload bytes
+# than ?3 (at least one record).  The byte cut is made inside SQLite, on the
+# payload lengths alone (`length()` of a BLOB column reads the row's header,
+# not the blob), so only the payloads of the batch are ever loaded: reading
+# `max_records` rows and cutting them here took 200 MB to return five 200 kB
+# records (tests/test_store_read_bounds.py).
+# The header strings come from SQLite (its thread, beside the event loop's)
+# rather than str() per record here.
+# When max_records of the largest payload in the outbox fit in max_bytes
+# (60-byte telemetry: always), the plain read: the cut above cost a drain 12%.
+_READ_BATCH_SMALL: Final = (
+    "SELECT seq, source_id, flags, CAST(received_us AS TEXT), CAST(device_seq AS TEXT), payload"
+    " FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2"
+)
+_READ_BATCH: Final = (
+    "SELECT seq, source_id, flags, CAST(received_us AS TEXT), CAST(device_seq AS TEXT), payload"
+    " FROM outbox WHERE seq > ?1 AND seq <= ("
+    " SELECT max(seq) FROM ("
+    "  SELECT seq, sum(len) OVER w AS total, row_number() OVER w AS n FROM ("
+    "   SELECT seq, length(payload) AS len FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2)"
+    "  WINDOW w AS (ORDER BY seq ROWS UNBOUNDED PRECEDING))"
+    " WHERE total <= ?3 OR n = 1)"
+    " ORDER BY seq"
+)
 SOURCES_KEPT: Final = 10_000  # sources cached before an empty outbox forgets them
 
 
@@ -70,24 +95,19 @@ class ReadConfirm(OutboxBase):
         """The oldest records with seq > `after`, in seq order, up to the
         limits (at least one when any waits)."""
         self._data_available.clear()  # before the read: a commit from now on sets it again
-        rows = await self._db.fetchall(  # one round trip to the SQLite thread
-            # The header strings come from SQLite (its thread, beside the
-            # event loop's) rather than str() per record here.
-            "SELECT seq, source_id, flags, CAST(received_us AS TEXT), CAST(device_seq AS TEXT), payload"
-            " FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
-            (after, max_records),
-        )
+        # `payload_high` bounds every payload in the outbox: with it, the plain
+        # read cannot load more than max_bytes either.
+        if max_records * self.payload_high <= max_bytes:
+            rows = await self._db.fetchall(_READ_BATCH_SMALL, (after, max_records))  # one round trip
+        else:
+            rows = await self._db.fetchall(_READ_BATCH, (after, max_records, max_bytes))
         out: list[OutboundRecord] = []
         append = out.append
-        total = 0
         high = (self._gateway_hash << 96) | (self._epoch << 64)
         gw = self._gateway_id
         names = self._source_names
         qos = _QOS
         for seq, sid, flags, recv, dseq, payload in rows:
-            total += len(payload)
-            if total > max_bytes and out:
-                break
             stream, itopic, pkey, topic = names[sid]
             # One dict display per record (no per-key stores); the strings
             # of qos and retain are shared.
@@ -148,6 +168,8 @@ class ReadConfirm(OutboxBase):
                 freed = freed * deleted // len(gone)
             self.records -= deleted
             self.bytes -= freed
+        if self.records == 0 and self._pending_bytes == 0:
+            self.payload_high = 0  # empty: the next payloads set it again
         if self.records == 0 and len(self._source_ids) > SOURCES_KEPT:
             await self._forget_sources()
         self._update_gauges()

@@ -109,6 +109,11 @@ CREATE TABLE IF NOT EXISTS drops (reason TEXT PRIMARY KEY, count INTEGER NOT NUL
 OUTBOX_TOTALS_SQL: Final = (
     "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM outbox_rows"
 )
+# At open: the totals and the largest payload (the outbox's `payload_high`).
+OUTBOX_LOAD_SQL: Final = (
+    "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0),"
+    " coalesce(max(length(payload)), 0) FROM outbox_rows"
+)
 COUNT_DROP_SQL: Final = (
     "INSERT INTO drops(reason, count) VALUES (?, ?)"
     " ON CONFLICT(reason) DO UPDATE SET count = count + excluded.count"
