@@ -18,6 +18,9 @@ Then the real `Forwarder` (default `[forward]` settings) drains it:
   (``sequential_drain``: read the oldest batch, send its partitions one after
   the other over one connection, delete it, repeat -- one request in flight).
   Without the server a "skipped" line says why.
+* a backlog of 200 kB records (``--large``, default 1,000: 200 MB) to
+  `MemoryIggy`: the peak RSS the drain adds, against what the forwarder may
+  read ahead (4 x ``batch_bytes``), and its rate.
 
 The uplink's own share is measured apart (``memory_uplink_send_rate``):
 `MemoryUplink.send` alone, the records already built, 1,000-record batches
@@ -25,6 +28,7 @@ over 500 keys (target 500,000 records/s, so that it stays a small part of a
 drain at the 100,000/s target; this was a timed test before).
 
     .venv/bin/python bench/drain_bench.py [--quick] [--records N] [--repeat R] [--partitions 1,3,12]
+                                           [--large N]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import emit, emit_machine, payload_60, skipped, spread
+from iggy_edge import heap
 from iggy_edge.config import parse_config
 from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
@@ -181,6 +186,72 @@ async def uplink_send(records: int, repeat: int) -> list[float]:
     return rates
 
 
+LARGE_PAYLOAD = 200_000
+
+
+def _vm_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+async def fill_large(path: Path, records: int) -> None:
+    """`records` records of LARGE_PAYLOAD bytes (10 devices), committed 20 at a time."""
+    settings = _settings(path.parent)
+    box = await Outbox.open(path, settings.buffer, settings.gateway_id, Metrics())
+    box.start()
+    done = None
+    for i in range(records):
+        d = i % DEVICES
+        item = Incoming(
+            Route("edge", "telemetry", f"dev{d}"),
+            f"edge/dev{d}/up/blob",
+            1,
+            False,
+            0,
+            bytes([i % 256]) * LARGE_PAYLOAD,
+        )
+        done = box.submit(item)
+        if i % 20 == 19:
+            await done
+    if done is not None:
+        await done
+    await box.close()
+
+
+def large_payloads(work: Path, records: int) -> None:
+    """A backlog of 200 kB records drained to the in-memory uplink: the rate
+    and the peak RSS the drain adds (VmHWM reset through /proc/self/clear_refs
+    just before it).  Before the byte cut moved into SQLite, each read loaded
+    `batch_records` payloads (200 MB) to return five."""
+    path = work / "large" / "buffer.db"
+    path.parent.mkdir()
+    asyncio.run(fill_large(path, records))
+    heap.trim()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _vm_kb("VmRSS")
+    settings = _settings(path.parent)
+    secs = asyncio.run(drain(path, records, MemoryIggy(keep_payloads=False).uplink(), settings))
+    peak_extra = (_vm_kb("VmHWM") - before) / 1024
+    f = settings.forward
+    emit(
+        BENCH,
+        "large_payload_drain_peak_rss",
+        round(peak_extra, 1),
+        "MB",
+        reference=round(f.batch_bytes * 4 / 2**20, 1),
+        reference_name="payload bytes the forwarder may read ahead (4 x batch_bytes)",
+        records=records,
+        payload_bytes=LARGE_PAYLOAD,
+        backlog_mb=round(records * LARGE_PAYLOAD / 1e6),
+        rate=round(records / secs),
+        rate_mb_s=round(records * LARGE_PAYLOAD / secs / 1e6, 1),
+        note="peak RSS added by the drain over the process before it",
+    )
+    shutil.rmtree(path.parent)
+
+
 def copy_db(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
@@ -275,6 +346,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-iggy", action="store_true", help="skip the real Iggy runs")
     ap.add_argument("--partitions", default="1,3,12", help="partition counts of the real Iggy runs")
+    ap.add_argument(
+        "--large", type=int, default=1000, help="records of 200 kB for the large-payload drain (0: skip)"
+    )
     a = ap.parse_args()
     records, repeat = (5000, 1) if a.quick else (a.records, a.repeat)
     partitions = [int(x) for x in a.partitions.split(",") if x]
@@ -341,6 +415,8 @@ def main() -> None:
             spread=send,
             note="MemoryUplink.send alone, 1000-record batches over 500 keys",
         )
+        if a.large:
+            large_payloads(work, 50 if a.quick else a.large)
         if not a.no_iggy:
             run_iggy(src, work, records, partitions, 1 if a.quick else max(1, repeat - 1))
 

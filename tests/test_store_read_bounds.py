@@ -1,4 +1,5 @@
-"""A batch read loads no more payload bytes than the batch may hold.
+"""Large payloads: a batch read loads no more payload bytes than the batch
+may hold, and the forwarder does not wait for a record count bytes already fill.
 
 `read_batch(max_records, max_bytes)` used to fetch `max_records` rows and cut
 them at `max_bytes` afterwards: with a backlog of 200 kB payloads it loaded
@@ -9,13 +10,18 @@ SQLite on the payload lengths.  Python's allocations are traced
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
 from pathlib import Path
 
+from iggy_edge.config import ForwardSettings
+from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import OutboundRecord
 from iggy_edge.store import Outbox
+from iggy_edge.uplink.memory import MemoryIggy
 
+from tests.support.wait import async_wait_until
 from tests.test_store import buffer_settings, incoming, open_box, submit_all
 
 MiB = 1 << 20
@@ -86,3 +92,25 @@ async def test_the_payload_high_water_mark_survives_a_restart_and_resets_when_em
         assert box.payload_high == 60
     finally:
         await box.close()
+
+
+async def test_a_backlog_of_large_payloads_does_not_wait_for_a_full_count(tmp_path: Path) -> None:
+    """The forwarder lingers for a fuller batch only while the unread records
+    fill neither `batch_records` nor `batch_bytes`: twelve 300 kB records
+    fill four batches by bytes, so none of them waits out the (here 30 s)
+    linger for a thousand records (before: one linger per read, so a drain
+    of large messages ran at batch_bytes per linger_ms, 20 MB/s)."""
+    box = await open_box(tmp_path / "buffer.db", buffer_settings(), Metrics())
+    await submit_all(box, [incoming("dev-1", bytes([i]) * 300_000) for i in range(12)])
+    iggy = MemoryIggy(keep_payloads=False)
+    fwd = Forwarder(box, iggy.uplink(), ForwardSettings(linger_ms=30_000, batch_records=1000), Metrics())
+    task = asyncio.create_task(fwd.run())
+    try:
+        # 9 of 12 go without any linger; the last three (900 kB, under a
+        # batch) wait for it once, as any short tail does.
+        await async_wait_until(lambda: box.records <= 3, 10, what="the large records forwarded")
+    finally:
+        fwd.stop()
+        await task
+        await box.close()
+    assert iggy.count() >= 9

@@ -175,7 +175,7 @@ class Forwarder:
                 run.changed.clear()
                 await run.changed.wait()
                 continue
-            if 0 < self._outbox.records - run.in_flight < s.batch_records:
+            if self._outbox.records > run.in_flight and not self._unread_fill_a_batch(run):
                 await self._linger(run)
             batch = await self._outbox.read_batch(s.batch_records, s.batch_bytes, after=run.cursor)
             if not batch:
@@ -306,13 +306,24 @@ class Forwarder:
         log.info("uplink started")
         return True
 
+    def _unread_fill_a_batch(self, run: _Run) -> bool:
+        """Enough unread for a full batch, by records or by bytes.  (Bytes:
+        with 200 kB payloads a batch is five records; waiting for a thousand
+        lingered before every read and held a drain to 20 MB/s.  The outbox
+        counts topic and row overhead too, so this errs towards not waiting.)"""
+        s = self._settings
+        return (
+            self._outbox.records - run.in_flight >= s.batch_records
+            or self._outbox.bytes - run.in_flight_bytes >= s.batch_bytes
+        )
+
     async def _linger(self, run: _Run) -> None:
         """Wait up to linger_ms for a full batch of unread records."""
         s = self._settings
         if not s.linger_ms:
             return
         deadline = time.monotonic() + s.linger_ms / 1000
-        while self._outbox.records - run.in_flight < s.batch_records and not run.closing:
+        while not self._unread_fill_a_batch(run) and not run.closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -323,6 +323,10 @@ class _ConfirmTap:
     def records(self) -> int:
         return self._outbox.records
 
+    @property
+    def bytes(self) -> int:
+        return self._outbox.bytes
+
     async def wait_for_data(self, timeout: float | None = None) -> bool:
         return await self._outbox.wait_for_data(timeout)
 

@@ -40,6 +40,10 @@ class OutboxReader(Protocol):
     def records(self) -> int:
         """Records waiting to be forwarded."""
 
+    @property
+    def bytes(self) -> int:
+        """Their bytes as the outbox accounts them (payload, topic, row overhead)."""
+
     async def wait_for_data(self, timeout: float | None = None) -> bool:
         """True as soon as a record waits; False after `timeout` without one."""
 
