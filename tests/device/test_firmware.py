@@ -42,6 +42,15 @@ def _seq_of(docs: list[dict[str, Any]]) -> list[int]:
     return [int(d["seq"]) for d in docs]
 
 
+def _first_arrivals(seqs: list[int]) -> list[int]:
+    """Each seq where it first arrived.  Across a broker restart the test's
+    own subscriber (mosquitto_sub, QoS1, persistent session) is sent again
+    what was in flight to it when the broker stopped, so its log can read
+    [.., 20, 21, 22, 21, 22, 23, ..]: at least once, not out of order (seen
+    under load; the agent stores such copies once, see test_end_to_end_agent)."""
+    return list(dict.fromkeys(seqs))
+
+
 def _config(broker: Broker, device_id: str, **extra: Any) -> dict[str, Any]:
     return {
         "device_id": device_id,
@@ -144,8 +153,10 @@ def test_broker_outage_readings_arrive_afterwards_oldest_first_none_lost(
         board.stop()
     seqs = _seq_of(log.json("/up/env"))
     diag_seqs = _seq_of(log.json("/up/diag"))
-    # at-least-once: a publish cut by the outage may come twice, never out of order
-    assert seqs == sorted(seqs)
+    # at-least-once: a publish cut by the outage, or a delivery in flight to
+    # the subscriber, may come twice; what arrives first is in order
+    first = _first_arrivals(seqs)
+    assert first == sorted(first), seqs
     everything = set(seqs) | set(diag_seqs)
     assert everything == set(range(max(everything) + 1)), "a reading was lost"
     diags = log.json("/up/diag")
@@ -183,7 +194,8 @@ def test_ring_overflow_during_an_outage_drops_oldest_and_reports_the_count(
     assert len(missing) == reported, (sorted(missing), reported)
     # what was dropped is one run of the oldest buffered readings
     assert sorted(missing) == list(range(min(missing), max(missing) + 1))
-    assert env == sorted(env)
+    first = _first_arrivals(env)
+    assert first == sorted(first), env
 
 
 def test_actuator_executes_a_command_once_and_acks_redeliveries(
