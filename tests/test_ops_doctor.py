@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from iggy_edge.cli.doctor import check_clock, read_env_file
+from iggy_edge.cli.doctor import check_broker_config, check_clock, read_env_file
 from iggy_edge.cli.main import app
+from iggy_edge.config import parse_config
 from typer.testing import CliRunner
 
 from tests.support.auth_broker import password_broker
@@ -35,7 +36,8 @@ def write_config(tmp_path: Path, *, port: int, state_dir: Path | None = None, ex
 
 def doctor(config: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
     """Run doctor twice: --json for the assertions, text for the advice."""
-    argv = ["doctor", "-c", str(config), "--env-file", str(config.parent / "no-env"), *args]
+    argv = ["doctor", "-c", str(config), "--env-file", str(config.parent / "no-env")]
+    argv += ["--mosquitto-conf", str(config.parent / "no-mosquitto.conf"), *args]  # not this machine's
     as_json = runner.invoke(app, [*argv, "--json"], env=env)
     text = runner.invoke(app, argv, env=env)
     assert as_json.exit_code == text.exit_code
@@ -185,3 +187,34 @@ def test_iggy_of_another_protocol_version_is_named(tmp_path: Path, broker: Broke
     assert "speaks another Iggy protocol version" in checks["iggy"]["detail"]
     assert "accepts binary protocol 0.12.0" in checks["iggy"]["detail"]
     assert "fix: run iggy-server 0.9.x for this agent (apache-iggy 0.9.0)" in out
+
+
+SNIPPET = Path(__file__).resolve().parent.parent / "packaging" / "mosquitto" / "iggy-edge.conf"
+
+
+def test_broker_config_check_reads_the_include_dir(tmp_path: Path) -> None:
+    """The local Mosquitto's options that decide what the agent's session
+    keeps (docs/operations.md): read like Mosquitto reads them, main file
+    then each include_dir's .conf files in order, a later line winning."""
+    conf_d = tmp_path / "conf.d"
+    conf_d.mkdir()
+    conf = tmp_path / "mosquitto.conf"
+    conf.write_text(f"persistence true\n# queue_qos0_messages true\ninclude_dir {conf_d}\n")
+    settings = parse_config({"gateway_id": "gw", "state_dir": str(tmp_path / "state")}, env={})
+    bare = check_broker_config(settings, conf)
+    assert bare.status == "warn"
+    assert "max_queued_messages 1000:" in bare.detail  # Mosquitto's default, no snippet yet
+    (conf_d / "iggy-edge.conf").write_text(SNIPPET.read_text())  # the shipped snippet
+    shipped = check_broker_config(settings, conf)
+    assert shipped.status == "ok", shipped
+    (conf_d / "local.conf").write_text("queue_qos0_messages true\n")
+    qos0 = check_broker_config(settings, conf)
+    assert qos0.status == "warn"
+    assert "queue_qos0_messages true" in qos0.detail
+    assert "max_queued" not in qos0.detail
+    assert "remove queue_qos0_messages" in qos0.fix
+    remote = parse_config(
+        {"gateway_id": "gw", "state_dir": str(tmp_path / "state"), "mqtt": {"host": "broker.lan"}}, env={}
+    )
+    assert check_broker_config(remote, conf).status == "skip"
+    assert check_broker_config(settings, tmp_path / "absent.conf").status == "skip"

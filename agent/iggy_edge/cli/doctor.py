@@ -69,6 +69,11 @@ DISK_FACTOR: Final = 1.4
 WAL_CHECKPOINT_BYTES: Final = 1000 * 4096
 TYPICAL_RECORD_BYTES: Final = 1024  # assumed when the buffer has too few records to measure
 BAD_CREDENTIALS: Final = {4, 5, 0x86, 0x87}  # MQTT 3.1.1 and 5 refusal codes
+MOSQUITTO_CONF: Final = Path("/etc/mosquitto/mosquitto.conf")
+# What the agent's persistent session needs queued while the agent is stopped
+# (the shipped snippet sets 1000000; Mosquitto's default 1000 drops the rest).
+MIN_QUEUED_MESSAGES: Final = 100_000
+LOCAL_HOSTS: Final = {"127.0.0.1", "::1", "localhost"}
 
 Status = Literal["ok", "warn", "fail", "skip"]
 MARK: Final = {"ok": "✓", "warn": "!", "fail": "✗", "skip": "-"}
@@ -242,6 +247,59 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
     finally:
         await _quiet_disconnect(client)
     return Check("broker", "ok", f"{where}: MQTT 5 session {who} works")
+
+
+def mosquitto_settings(conf: Path) -> dict[str, str]:
+    """The global options of a Mosquitto config and the `.conf` files of its
+    `include_dir`s (alphabetical, as Mosquitto reads them); a later line wins.
+    Raises OSError when a file cannot be read."""
+    values: dict[str, str] = {}
+    files = [conf]
+    while files:
+        path = files.pop(0)
+        for line in path.read_text(errors="replace").splitlines():
+            key, _, value = line.strip().partition(" ")
+            if not key or key.startswith("#"):
+                continue
+            if key == "include_dir":
+                files.extend(sorted(Path(value.strip()).glob("*.conf")))
+            else:
+                values[key] = value.strip()
+    return values
+
+
+def check_broker_config(settings: Settings, conf: Path = MOSQUITTO_CONF) -> Check:
+    """The local Mosquitto's options that decide whether the agent's session
+    keeps what is queued for it (docs/operations.md, Mosquitto)."""
+    if settings.mqtt.host not in LOCAL_HOSTS:
+        return Check("broker-config", "skip", f"broker on {settings.mqtt.host}: its config is not read here")
+    if not conf.exists():
+        return Check("broker-config", "skip", f"no {conf} on this machine")
+    try:
+        values = mosquitto_settings(conf)
+    except OSError as e:
+        return Check("broker-config", "skip", f"cannot read the broker's config: {e}", "run doctor with sudo")
+    problems, fixes = [], []
+    if values.get("queue_qos0_messages", "false").lower() == "true":
+        problems.append(
+            "queue_qos0_messages true: after the agent was stopped, more queued QoS0 messages than its"
+            f" receive maximum ({settings.mqtt.receive_maximum}) keep Mosquitto 2.0.11 from sending it"
+            " any QoS1 message until it reconnects"
+        )
+        fixes.append("remove queue_qos0_messages (devices that must not lose a reading publish QoS 1)")
+    try:
+        queued = int(values.get("max_queued_messages", "1000"))
+    except ValueError:
+        queued = 1000
+    if 0 < queued < MIN_QUEUED_MESSAGES:
+        problems.append(
+            f"max_queued_messages {queued}: the broker drops what is queued for the agent beyond that"
+            " while the agent is stopped"
+        )
+        fixes.append("install packaging/mosquitto/iggy-edge.conf in /etc/mosquitto/conf.d (1000000)")
+    if problems:
+        return Check("broker-config", "warn", f"{conf}: " + "; ".join(problems), "; ".join(fixes))
+    return Check("broker-config", "ok", f"{conf}: queue depth {queued or 'unlimited'}, QoS0 not queued")
 
 
 def _no_reconnect() -> None:
@@ -447,7 +505,9 @@ def check_agent(settings: Settings, timeout: float = 2.0) -> Check:
 # -- command -------------------------------------------------------------------
 
 
-async def run_checks(config: Path, env: Mapping[str, str]) -> list[Check]:
+async def run_checks(
+    config: Path, env: Mapping[str, str], mosquitto_conf: Path = MOSQUITTO_CONF
+) -> list[Check]:
     cfg, settings = check_config(config, env)
     checks = [cfg, check_clock()]
     if settings is None:
@@ -457,6 +517,7 @@ async def run_checks(config: Path, env: Mapping[str, str]) -> list[Check]:
     checks.append(check_disk(settings))
     broker, iggy = await asyncio.gather(check_broker(settings), check_iggy(settings))
     checks.append(broker)
+    checks.append(check_broker_config(settings, mosquitto_conf))
     checks.extend(iggy)
     checks.append(await asyncio.to_thread(check_agent, settings))
     return checks
@@ -469,8 +530,11 @@ def doctor(
         typer.Option(help="Secrets file the service reads (EnvironmentFile=); used when readable."),
     ] = DEFAULT_ENV_FILE,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable results.")] = False,
+    mosquitto_conf: Annotated[
+        Path, typer.Option(help="The local broker's config, read when mqtt.host is this machine.")
+    ] = MOSQUITTO_CONF,
 ) -> None:
-    """Check config, clock, disk, broker, Iggy and permissions; print what to fix."""
+    """Check config, clock, disk, broker and its config, Iggy and permissions; print what to fix."""
     logging.getLogger("gmqtt").setLevel(logging.CRITICAL)  # its refusal warnings duplicate ours
     env = dict(os.environ)
     env_note: Check | None = None
@@ -488,7 +552,7 @@ def doctor(
             env_note = Check(
                 "secrets", "fail", f"cannot read {env_file}: {e}", "fix the file (KEY=value lines)"
             )
-    checks = asyncio.run(run_checks(config, env))
+    checks = asyncio.run(run_checks(config, env, mosquitto_conf))
     if env_note is not None:
         checks.insert(1, env_note)
     failed = [c for c in checks if c.status == "fail"]
