@@ -254,9 +254,12 @@ def mosquitto_settings(conf: Path) -> dict[str, str]:
     `include_dir`s (alphabetical, as Mosquitto reads them); a later line wins.
     Raises OSError when a file cannot be read."""
     values: dict[str, str] = {}
-    files = [conf]
+    files, seen = [conf], set()
     while files:
         path = files.pop(0)
+        if path.resolve() in seen:
+            continue  # an include_dir that includes itself
+        seen.add(path.resolve())
         for line in path.read_text(errors="replace").splitlines():
             key, _, value = line.strip().partition(" ")
             if not key or key.startswith("#"):
