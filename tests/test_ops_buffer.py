@@ -195,6 +195,19 @@ async def test_missing_buffer_is_a_clear_error(tmp_path: Path) -> None:
         assert "no buffer database" in result.stderr, cmd
 
 
+async def test_a_buffer_the_agent_is_still_creating_is_a_clear_error(tmp_path: Path) -> None:
+    """The agent creates the file, then its tables: a read command in that
+    moment says so (it printed `no such table: outbox_rows`)."""
+    config = tmp_path / "config.toml"
+    config.write_text(f'gateway_id = "gw"\nstate_dir = "{tmp_path / "state"}"\n')
+    (tmp_path / "state").mkdir()
+    sqlite3.connect(load_config(config, env={}).buffer_path).execute("PRAGMA journal_mode=WAL").close()
+    for cmd in (["stats"], ["peek"], ["dead-letters"]):
+        result = runner.invoke(app, ["buffer", *cmd, "-c", str(config)])
+        assert result.exit_code == 1, cmd
+        assert "no buffer tables yet (the agent is creating them; try again)" in result.stderr, cmd
+
+
 @pytest.mark.parametrize(
     "command", [["stats"], ["peek"], ["dead-letters"], ["dead-letters", "--json"], ["export"]]
 )

@@ -100,10 +100,16 @@ def _reader(path: Path) -> sqlite3.Connection:
     has not migrated yet (schema.add_v1_view)."""
     conn = ro_connect(path)
     try:
-        add_v1_view(conn)
+        created = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'outbox'").fetchone() is not None
+        if created:
+            add_v1_view(conn)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise StoreError(f"{path}: {e}") from e
+    if not created:
+        # The agent creates the file, then its tables: a reader in between.
+        conn.close()
+        raise NoDatabase(f"{path}: no buffer tables yet (the agent is creating them; try again)")
     return conn
 
 
@@ -135,7 +141,7 @@ def read_stats(path: Path) -> BufferStats:
 
 
 def read_dead_letters(path: Path, limit: int = 100) -> list[DeadLetter]:
-    conn = ro_connect(path)
+    conn = _reader(path)
     try:
         rows = conn.execute(
             "SELECT id, received_us, mqtt_topic, qos, retain, reason, detail, payload, payload_size"
@@ -364,7 +370,7 @@ def count_rows(path: Path, table: str) -> int:
     """Rows in `outbox` or `dead_letters` (for progress bars)."""
     if table not in ("outbox", "dead_letters"):
         raise ValueError(table)
-    conn = ro_connect(path)
+    conn = _reader(path)
     try:
         return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
     except sqlite3.DatabaseError as e:
