@@ -326,7 +326,7 @@ class IggyCluster:
         takes a write on every partition of a probe topic.
 
         The write check is there because of a server fault seen with
-        0.9.0-edge.5 (about one cluster start in 40 here): a view change of
+        0.9.0-edge.5 (once in some 20 cluster starts here): a view change of
         the metadata plane right after start moved its primary to another
         node while the partition plane kept the old one, and every send the
         SDK routed to the metadata primary was dropped without an answer
