@@ -8,7 +8,6 @@ machine.reset(), input pins, the watchdog's start."""
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,10 @@ from tests.support.micropython import (
     Board,
     Flash,
     MqttLog,
+    board_config,
     require_micropython,
     run_script,
+    unique_device_id,
 )
 from tests.support.tmpfs import small_tmpfs
 
@@ -38,25 +39,6 @@ def _needs_micropython() -> None:
     require_micropython()
 
 
-def _dev(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def _config(broker: Broker, device_id: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "device_id": device_id,
-        "broker": broker.host,
-        "port": broker.port,
-        "backoff_base_ms": 100,
-        "backoff_max_ms": 800,
-        "wdt_ms": 5000,
-        # no agent here: the broker's PUBACK is the end of the line (receipts:
-        # tests/device/test_receipts_device.py)
-        "receipts": False,
-        **extra,
-    }
-
-
 def _logged(broker: Broker, tmp_path: Path, dev: str) -> MqttLog:
     return MqttLog(broker, f"edge/{dev}/#", tmp_path, f"sub-{dev}")
 
@@ -65,12 +47,13 @@ def _logged(broker: Broker, tmp_path: Path, dev: str) -> MqttLog:
 def test_dht22_checksum_errors_are_counted_and_the_sensor_keeps_running(
     broker: Broker, tmp_path: Path
 ) -> None:
-    dev = _dev("dht")
+    dev = unique_device_id("dht")
     log = _logged(broker, tmp_path, dev)
     try:
         flash = Flash(tmp_path / "flash")
         flash.install_example(
-            "env_sensor", **_config(broker, dev, period_ms=0, cycles=12, app={"dht_pin": 4})
+            "env_sensor",
+            **board_config(broker.host, broker.port, dev, period_ms=0, cycles=12, app={"dht_pin": 4}),
         )
         # the probe read fails with a checksum error too: the sensor is there
         plan = ["checksum", "ok", "ok", "checksum", "ok", "ok"]
@@ -97,7 +80,10 @@ def test_dht22_checksum_errors_are_counted_and_the_sensor_keeps_running(
 def test_battery_sensor_deep_sleeps_after_an_uncaught_error(broker: Broker, tmp_path: Path) -> None:
     flash = Flash(tmp_path / "flash")
     flash.install_example(
-        "battery_sensor", **_config(broker, _dev("batt"), period_ms=60000, upload_every=1, awake_ms=100)
+        "battery_sensor",
+        **board_config(
+            broker.host, broker.port, unique_device_id("batt"), period_ms=60000, upload_every=1, awake_ms=100
+        ),
     )
     flash.path("_hw_adc.txt").write_text("fail")  # the ADC read raises OSError
     board = Board(flash).start()
@@ -112,7 +98,9 @@ def test_battery_sensor_deep_sleeps_after_an_uncaught_error(broker: Broker, tmp_
 
 def test_mains_board_resets_after_an_uncaught_error(broker: Broker, tmp_path: Path) -> None:
     flash = Flash(tmp_path / "flash")
-    flash.install_example("actuator", **_config(broker, _dev("relay"), period_ms=100))
+    flash.install_example(
+        "actuator", **board_config(broker.host, broker.port, unique_device_id("relay"), period_ms=100)
+    )
     flash.path("relay.json").write_text("{torn")  # a file half-written at a power cut
     board = Board(flash).start()
     rc = board.wait(40)
@@ -126,12 +114,13 @@ def test_mains_board_resets_after_an_uncaught_error(broker: Broker, tmp_path: Pa
 def test_battery_sensor_has_an_awake_budget_and_skips_the_upload_after_hitting_it(
     broker: Broker, tmp_path: Path
 ) -> None:
-    dev = _dev("budget")
+    dev = unique_device_id("budget")
     log = _logged(broker, tmp_path, dev)
     try:
         flash = Flash(tmp_path / "flash")
         cfg = flash.install_example(
-            "battery_sensor", **_config(broker, dev, period_ms=60000, upload_every=1, awake_ms=100)
+            "battery_sensor",
+            **board_config(broker.host, broker.port, dev, period_ms=60000, upload_every=1, awake_ms=100),
         )
         assert cfg["awake_budget_ms"] > 0  # the example's template sets one
         board = Board(flash).start()
@@ -153,10 +142,11 @@ def test_battery_sensor_has_an_awake_budget_and_skips_the_upload_after_hitting_i
 
 
 def test_low_battery_reports_once_then_uploads_rarely(broker: Broker, tmp_path: Path) -> None:
-    dev = _dev("lowbatt")
+    dev = unique_device_id("lowbatt")
     flash = Flash(tmp_path / "flash")
     flash.install_example(
-        "battery_sensor", **_config(broker, dev, period_ms=60000, upload_every=1, awake_ms=100)
+        "battery_sensor",
+        **board_config(broker.host, broker.port, dev, period_ms=60000, upload_every=1, awake_ms=100),
     )
     flash.path("_hw_adc.txt").write_text("10000")  # about 950 mV: far below low_mv
     board = Board(flash)
@@ -177,7 +167,10 @@ def test_low_battery_reports_once_then_uploads_rarely(broker: Broker, tmp_path: 
 def test_safe_mode_starts_nothing_and_no_watchdog(broker: Broker, tmp_path: Path, how: str) -> None:
     flash = Flash(tmp_path / "flash")
     extra: dict[str, Any] = {"safe_pin": 0} if how == "pin" else {}
-    flash.install_example("env_sensor", **_config(broker, _dev("safe"), period_ms=0, cycles=5, **extra))
+    flash.install_example(
+        "env_sensor",
+        **board_config(broker.host, broker.port, unique_device_id("safe"), period_ms=0, cycles=5, **extra),
+    )
     if how == "file":
         flash.path("safe").write_text("")
     else:
@@ -200,12 +193,13 @@ def test_safe_mode_starts_nothing_and_no_watchdog(broker: Broker, tmp_path: Path
 
 
 def test_a_new_device_id_does_not_publish_the_old_ids_data(broker: Broker, tmp_path: Path) -> None:
-    old, new = _dev("old"), _dev("new")
+    old, new = unique_device_id("old"), unique_device_id("new")
     flash = Flash(tmp_path / "flash")
     flash.install_example(
         "env_sensor",
-        **_config(
-            broker,
+        **board_config(
+            broker.host,
+            broker.port,
             old,
             period_ms=0,
             cycles=6,
@@ -222,7 +216,9 @@ def test_a_new_device_id_does_not_publish_the_old_ids_data(broker: Broker, tmp_p
     # re-provisioned under a new id (config.json rewritten, data/ left)
     log = _logged(broker, tmp_path, new)
     try:
-        flash.install_example("env_sensor", **_config(broker, new, period_ms=0, cycles=3))
+        flash.install_example(
+            "env_sensor", **board_config(broker.host, broker.port, new, period_ms=0, cycles=3)
+        )
         board.start()
         assert board.wait(60) == 0, board.console()[-3000:]
         log.wait_for(lambda m: len(m.json("/up/env")) >= 3, 20, "the new id's readings")
@@ -279,7 +275,10 @@ def test_default_ring_holds_a_day_of_env_sensor_at_10s(broker: Broker, tmp_path:
     8,640 (a day at 10 s), against the ring the example gets by default."""
     flash = Flash(tmp_path / "flash")
     cfg = flash.install_example(
-        "env_sensor", **_config(broker, _dev("ring"), period_ms=0, cycles=200, wifi_timeout_ms=50)
+        "env_sensor",
+        **board_config(
+            broker.host, broker.port, unique_device_id("ring"), period_ms=0, cycles=200, wifi_timeout_ms=50
+        ),
     )
     flash.path("_hw_wifi_down").write_text("")
     board = Board(flash).start()
@@ -293,11 +292,13 @@ def test_default_ring_holds_a_day_of_env_sensor_at_10s(broker: Broker, tmp_path:
 
 
 def test_corrupt_sequence_file_is_reported_in_diagnostics(broker: Broker, tmp_path: Path) -> None:
-    dev = _dev("seqrec")
+    dev = unique_device_id("seqrec")
     log = _logged(broker, tmp_path, dev)
     try:
         flash = Flash(tmp_path / "flash")
-        flash.install_example("env_sensor", **_config(broker, dev, period_ms=0, cycles=3))
+        flash.install_example(
+            "env_sensor", **board_config(broker.host, broker.port, dev, period_ms=0, cycles=3)
+        )
         (flash.root / "data").mkdir()
         flash.path("data/seq").write_text("\x00\x00garbage")
         board = Board(flash).start()
@@ -325,7 +326,15 @@ def test_ring_is_shrunk_to_the_free_flash_and_says_so(broker: Broker, tmp_path: 
         flash = Flash(fs / "flash")
         flash.install_example(
             "env_sensor",
-            **_config(broker, _dev("small"), period_ms=0, cycles=50, wifi_timeout_ms=50, segment_bytes=4096),
+            **board_config(
+                broker.host,
+                broker.port,
+                unique_device_id("small"),
+                period_ms=0,
+                cycles=50,
+                wifi_timeout_ms=50,
+                segment_bytes=4096,
+            ),
         )
         flash.path("_hw_wifi_down").write_text("")
         board = Board(flash).start()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,12 @@ from tests.support.micropython import (
     Board,
     Flash,
     MqttLog,
+    board_config,
     mqtt_publish,
     require_micropython,
+    unique_device_id,
+    wait_console,
 )
-from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.micropython
 
@@ -32,10 +33,6 @@ pytestmark = pytest.mark.micropython
 @pytest.fixture(autouse=True)
 def _needs_micropython() -> None:
     require_micropython()
-
-
-def _dev_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def _seq_of(docs: list[dict[str, Any]]) -> list[int]:
@@ -51,30 +48,9 @@ def _first_arrivals(seqs: list[int]) -> list[int]:
     return list(dict.fromkeys(seqs))
 
 
-def _config(broker: Broker, device_id: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "device_id": device_id,
-        "broker": broker.host,
-        "port": broker.port,
-        "backoff_base_ms": 100,
-        "backoff_max_ms": 800,
-        "wdt_ms": 5000,
-        # no agent here: the broker's PUBACK is the end of the line (receipts
-        # need the agent: tests/device/test_receipts_device.py)
-        "receipts": False,
-        **extra,
-    }
-
-
 # What the library prints once it is connected and subscribed (umqtt.simple's
 # subscribe() returns after the SUBACK).
 CONNECTED = "[iggy] connected to"
-
-
-def _wait_console(board: Board, text: str, count: int, what: str, timeout: float = 20) -> None:
-    """Until the board's console shows `text` `count` times (an event the
-    firmware prints), instead of sleeping through its boot."""
-    wait_until(lambda: board.console().count(text) >= count, timeout, what=what)
 
 
 def _outage(broker: Broker, flash: Flash, log: MqttLog, dev: str, seconds: float) -> None:
@@ -102,7 +78,9 @@ def _run_env(
 ) -> tuple[Board, MqttLog]:
     log = subscribe(dev)
     flash = Flash(root / dev)
-    flash.install_example("env_sensor", **_config(broker, dev, period_ms=0, cycles=cycles))
+    flash.install_example(
+        "env_sensor", **board_config(broker.host, broker.port, dev, period_ms=0, cycles=cycles)
+    )
     flash.install_library(mpy=True)
     flash.compile_app()
     board = Board(flash, heapsize=ESP32_HEAP).start()
@@ -114,8 +92,8 @@ def _run_env(
 def test_env_sensor_runs_thousands_of_cycles_in_an_esp32_sized_heap(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    short_board, _ = _run_env(broker, subscribe, tmp_path, _dev_id("heap-short"), 300)
-    dev = _dev_id("heap")
+    short_board, _ = _run_env(broker, subscribe, tmp_path, unique_device_id("heap-short"), 300)
+    dev = unique_device_id("heap")
     board, log = _run_env(broker, subscribe, tmp_path, dev, 3000)
     env = log.json("/up/env")
     seqs = _seq_of(env)
@@ -136,10 +114,12 @@ def test_env_sensor_runs_thousands_of_cycles_in_an_esp32_sized_heap(
 def test_broker_outage_readings_arrive_afterwards_oldest_first_none_lost(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("outage")
+    dev = unique_device_id("outage")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
-    flash.install_example("env_sensor", **_config(broker, dev, period_ms=20, wifi_timeout_ms=100))
+    flash.install_example(
+        "env_sensor", **board_config(broker.host, broker.port, dev, period_ms=20, wifi_timeout_ms=100)
+    )
     board = Board(flash).start()
     try:
         log.wait_for(lambda m: len(m.json("/up/env")) >= 20, 20, "readings before the outage")
@@ -169,13 +149,21 @@ def test_broker_outage_readings_arrive_afterwards_oldest_first_none_lost(
 def test_ring_overflow_during_an_outage_drops_oldest_and_reports_the_count(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("overflow")
+    dev = unique_device_id("overflow")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
     # 4 segments of 512 bytes: about 16 readings fit
     flash.install_example(
         "env_sensor",
-        **_config(broker, dev, period_ms=20, ring_bytes=2048, segment_bytes=512, wifi_timeout_ms=100),
+        **board_config(
+            broker.host,
+            broker.port,
+            dev,
+            period_ms=20,
+            ring_bytes=2048,
+            segment_bytes=512,
+            wifi_timeout_ms=100,
+        ),
     )
     board = Board(flash).start()
     try:
@@ -201,10 +189,10 @@ def test_ring_overflow_during_an_outage_drops_oldest_and_reports_the_count(
 def test_actuator_executes_a_command_once_and_acks_redeliveries(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("relay")
+    dev = unique_device_id("relay")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
-    flash.install_example("actuator", **_config(broker, dev, period_ms=500))
+    flash.install_example("actuator", **board_config(broker.host, broker.port, dev, period_ms=500))
     board = Board(flash).start()
     cmd_topic = f"edge/{dev}/down/cmd"
 
@@ -218,7 +206,7 @@ def test_actuator_executes_a_command_once_and_acks_redeliveries(
 
     try:
         log.wait_for(lambda m: ("edge/" + dev + "/status", "online") in m.messages(), 20, "online")
-        _wait_console(board, CONNECTED, 1, "subscribed")
+        wait_console(board, CONNECTED, 1, "subscribed")
         on = {"id": "c-1", "name": "set_relay", "args": {"on": True}, "expires_at": None}
         first = send(on, 1)
         assert first["id"] == "c-1"
@@ -248,7 +236,7 @@ def test_actuator_executes_a_command_once_and_acks_redeliveries(
         pins_before = len(flash.pins())
         board.start()
         log.wait_for(lambda m: [p for t, p in m.messages("/status")].count("online") >= 2, 20, "reboot")
-        _wait_console(board, CONNECTED, 2, "subscribed again")
+        wait_console(board, CONNECTED, 2, "subscribed again")
         assert send(on, 7) == first
         after = flash.pins()[pins_before:]
         assert after == [("26", 1), ("2", 0)]  # only the restore at boot
@@ -261,12 +249,12 @@ def test_actuator_executes_a_command_once_and_acks_redeliveries(
 def test_battery_sensor_keeps_buffer_and_sequence_across_deep_sleeps(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("batt")
+    dev = unique_device_id("batt")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
     flash.install_example(
         "battery_sensor",
-        **_config(broker, dev, upload_every=3, awake_ms=300, period_ms=60000),
+        **board_config(broker.host, broker.port, dev, upload_every=3, awake_ms=300, period_ms=60000),
     )
     board = Board(flash)
     for wake in range(6):
@@ -303,31 +291,35 @@ def test_battery_sensor_keeps_buffer_and_sequence_across_deep_sleeps(
 def test_retained_config_is_applied_persisted_and_reapplied_at_boot(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("cfg")
+    dev = unique_device_id("cfg")
     mqtt_publish(broker, f"edge/{dev}/down/config", json.dumps({"period_ms": 150}), retain=True)
     flash = Flash(tmp_path / "flash")
-    flash.install_example("env_sensor", **_config(broker, dev, period_ms=50, cycles=15))
+    flash.install_example(
+        "env_sensor", **board_config(broker.host, broker.port, dev, period_ms=50, cycles=15)
+    )
     board = Board(flash).start()
     assert board.wait(30) == 0, board.console()
     assert "config: period_ms -> 150" in board.console()
     assert json.loads(flash.text("data/desired.json")) == {"period_ms": 150}
     broker.stop()  # next boot has no broker: the persisted copy still applies
     board.start()
-    _wait_console(board, "config: period_ms -> 150", 2, "the persisted config applied at boot")
+    wait_console(board, "config: period_ms -> 150", 2, "the persisted config applied at boot")
     board.stop()
 
 
 def test_wifi_away_then_back_buffers_and_backs_off(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("wifi")
+    dev = unique_device_id("wifi")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
-    flash.install_example("env_sensor", **_config(broker, dev, period_ms=50, wifi_timeout_ms=100))
+    flash.install_example(
+        "env_sensor", **board_config(broker.host, broker.port, dev, period_ms=50, wifi_timeout_ms=100)
+    )
     flash.path("_hw_wifi_down").write_text("")  # no access point
     board = Board(flash).start()
     try:
-        _wait_console(board, "wifi connect failed", 3, "three failed WiFi attempts")
+        wait_console(board, "wifi connect failed", 3, "three failed WiFi attempts")
         assert log.json("/up/env") == []
         flash.path("_hw_wifi_down").unlink()
         log.wait_for(lambda m: len(m.json("/up/env")) >= 40, 20, "readings after WiFi returns")

@@ -8,7 +8,6 @@ commands queued for a sleeping board than its inbox holds."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,12 @@ from tests.support.micropython import (
     Board,
     Flash,
     MqttLog,
+    board_config,
     mqtt_publish,
     require_micropython,
+    unique_device_id,
+    wait_console,
 )
-from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.micropython
 
@@ -38,29 +39,9 @@ def _needs_micropython() -> None:
     require_micropython()
 
 
-def _dev_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
 def _config(port: int, device_id: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "device_id": device_id,
-        "broker": "127.0.0.1",
-        "port": port,
-        "backoff_base_ms": 100,
-        "backoff_max_ms": 800,
-        "wdt_ms": 3000,  # every step gives up after wdt_ms/3 = 1 s
-        # no agent here: the broker's PUBACK is the end of the line (receipts:
-        # tests/device/test_receipts_device.py)
-        "receipts": False,
-        **extra,
-    }
-
-
-def _wait_console(board: Board, text: str, count: int = 1, timeout: float = 20) -> None:
-    wait_until(
-        lambda: board.console().count(text) >= count, timeout, what=f"{text!r} x{count} on the console"
-    )
+    # every step gives up after wdt_ms/3 = 1 s
+    return board_config("127.0.0.1", port, device_id, **{"wdt_ms": 3000, **extra})
 
 
 # -- 1. every blocking step of the connect is bounded -------------------------------
@@ -73,7 +54,7 @@ def test_battery_sensor_reaches_deep_sleep_when_the_broker_never_answers(
     with silent_peer(answer) as peer:
         flash = Flash(tmp_path / "flash")
         flash.install_example(
-            "battery_sensor", **_config(peer.port, _dev_id("mute"), upload_every=1, awake_ms=300)
+            "battery_sensor", **_config(peer.port, unique_device_id("mute"), upload_every=1, awake_ms=300)
         )
         board = Board(flash).start()
         assert board.wait(30) == DEEPSLEEP_EXIT, board.console()[-3000:]
@@ -88,7 +69,7 @@ def test_env_sensor_keeps_reading_while_the_broker_never_answers(tmp_path: Path)
     with silent_peer() as peer:
         flash = Flash(tmp_path / "flash")
         flash.install_example(
-            "env_sensor", **_config(peer.port, _dev_id("mute-env"), period_ms=100, cycles=30)
+            "env_sensor", **_config(peer.port, unique_device_id("mute-env"), period_ms=100, cycles=30)
         )
         board = Board(flash).start()
         assert board.wait(60) == 0, board.console()[-3000:]
@@ -107,7 +88,7 @@ def test_env_sensor_keeps_reading_while_the_broker_never_answers(tmp_path: Path)
 def test_a_60kb_retained_config_is_refused_unread_in_a_small_heap(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("bigcfg")
+    dev = unique_device_id("bigcfg")
     log = subscribe(dev)
     huge = json.dumps({"period_ms": 150, "pad": "x" * 60000})
     mqtt_publish(broker, f"edge/{dev}/down/config", huge, retain=True)
@@ -140,27 +121,27 @@ def test_a_60kb_retained_config_is_refused_unread_in_a_small_heap(
 def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("bigcmd")
+    dev = unique_device_id("bigcmd")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
     flash.install_example("actuator", **_config(broker.port, dev, period_ms=60000))
     board = Board(flash).start()
     try:
-        _wait_console(board, "[iggy] connected to")
+        wait_console(board, "[iggy] connected to")
         # an empty payload, alone: reading it must not wait for the next packet
         mqtt_publish(broker, f"edge/{dev}/down/cmd", "")
-        _wait_console(board, "bad command: payload is not JSON")
+        wait_console(board, "bad command: payload is not JSON")
         big = {"id": "big", "name": "set_relay", "args": {"on": True, "pad": "x" * 5000}}  # over 4096
         mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(big))
         ok = {"id": "small", "name": "get_state", "args": {}}
         mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps(ok))
         log.wait_for(lambda m: [a["id"] for a in m.json("/up/ack")] == ["small"], 20, "the small one's ack")
-        _wait_console(board, "mqtt: refused a 50")
+        wait_console(board, "mqtt: refused a 50")
         # a power cut and a reboot: the refused one was acknowledged to the
         # broker (it can never fit), so it is not sent again
         board.stop()
         board.start()
-        _wait_console(board, "[iggy] connected to", 2)
+        wait_console(board, "[iggy] connected to", 2)
         mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "after", "name": "get_state"}))
         log.wait_for(lambda m: len(m.json("/up/ack")) >= 2, 20, "the ack after the reboot")
     finally:
@@ -178,7 +159,7 @@ def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
 def test_thirty_commands_queued_for_a_sleeping_board_all_run(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog], inbox_bytes: int | None
 ) -> None:
-    dev = _dev_id("queue")
+    dev = unique_device_id("queue")
     log = subscribe(dev)
     extra = {} if inbox_bytes is None else {"inbox_bytes": inbox_bytes}
     flash = Flash(tmp_path / "flash")
@@ -217,7 +198,7 @@ def test_thirty_commands_queued_for_a_sleeping_board_all_run(
 def test_a_silent_broker_is_detected_from_the_missing_pingresp(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("deaf")
+    dev = unique_device_id("deaf")
     log = subscribe(dev)
     with freezable_proxy(broker.port) as proxy:
         flash = Flash(tmp_path / "flash")
@@ -225,13 +206,13 @@ def test_a_silent_broker_is_detected_from_the_missing_pingresp(
         flash.install_example("actuator", **_config(proxy.port, dev, period_ms=60000, keepalive=4))
         board = Board(flash).start()
         try:
-            _wait_console(board, "[iggy] connected to")
+            wait_console(board, "[iggy] connected to")
             proxy.freeze()
             # bound: keepalive/2 (2 s) + the step timeout (1 s) + one poll
-            _wait_console(board, "no PINGRESP within 1000 ms", timeout=10)
-            _wait_console(board, "mqtt connect failed: OSError(110", timeout=10)  # still silent
+            wait_console(board, "no PINGRESP within 1000 ms", timeout=10)
+            wait_console(board, "mqtt connect failed: OSError(110", timeout=10)  # still silent
             proxy.thaw()
-            _wait_console(board, "[iggy] connected to", 2, timeout=20)
+            wait_console(board, "[iggy] connected to", 2, timeout=20)
             mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "c-1", "name": "get_state"}))
             log.wait_for(lambda m: len(m.json("/up/ack")) == 1, 20, "the ack after the broker came back")
         finally:
@@ -241,18 +222,18 @@ def test_a_silent_broker_is_detected_from_the_missing_pingresp(
 def test_wifi_loss_while_connected_is_noticed_and_the_driver_reconnects_by_itself(
     broker: Broker, tmp_path: Path, subscribe: Callable[[str], MqttLog]
 ) -> None:
-    dev = _dev_id("wifi-drop")
+    dev = unique_device_id("wifi-drop")
     log = subscribe(dev)
     flash = Flash(tmp_path / "flash")
     flash.install_example("actuator", **_config(broker.port, dev, period_ms=60000, wifi_timeout_ms=500))
     board = Board(flash).start()
     try:
-        _wait_console(board, "[iggy] connected to")
+        wait_console(board, "[iggy] connected to")
         flash.path("_hw_wifi_down").write_text("")
-        _wait_console(board, "wifi: link lost", timeout=10)
-        _wait_console(board, "wifi connect failed", timeout=10)
+        wait_console(board, "wifi: link lost", timeout=10)
+        wait_console(board, "wifi connect failed", timeout=10)
         flash.path("_hw_wifi_down").unlink()
-        _wait_console(board, "[iggy] connected to", 2)
+        wait_console(board, "[iggy] connected to", 2)
         mqtt_publish(broker, f"edge/{dev}/down/cmd", json.dumps({"id": "c-1", "name": "get_state"}))
         log.wait_for(lambda m: len(m.json("/up/ack")) == 1, 20, "the ack after WiFi came back")
     finally:
@@ -265,7 +246,9 @@ def test_wifi_loss_while_connected_is_noticed_and_the_driver_reconnects_by_itsel
 def test_wifi_attempts_do_not_hold_up_readings(tmp_path: Path) -> None:
     flash = Flash(tmp_path / "flash")
     # the default wifi_timeout_ms (15 s) and no access point at all
-    flash.install_example("env_sensor", **_config(1, _dev_id("no-ap"), period_ms=50, cycles=40, wdt_ms=0))
+    flash.install_example(
+        "env_sensor", **_config(1, unique_device_id("no-ap"), period_ms=50, cycles=40, wdt_ms=0)
+    )
     flash.path("_hw_wifi_down").write_text("")
     board = Board(flash).start()
     # 40 readings 50 ms apart take 2 s; one blocking WiFi attempt alone 15 s

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from .broker import Broker
+from .wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_DIR = REPO / "device"
@@ -302,3 +304,35 @@ def mqtt_publish(broker: Broker, topic: str, payload: str, *, retain: bool = Fal
 
 def seqs(docs: Iterator[dict[str, Any]] | list[dict[str, Any]]) -> list[int]:
     return [int(d["seq"]) for d in docs]
+
+
+def unique_device_id(prefix: str) -> str:
+    """A device id no other test (or earlier run on the same broker) uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def board_config(host: str, port: int, device_id: str, **extra: Any) -> dict[str, Any]:
+    """config.local.json of a board in a test without an agent: fast backoff,
+    a 5 s watchdog, and receipts off (with no agent the broker's PUBACK is
+    the end of the line; receipts: tests/device/test_receipts_device.py).
+    `extra` overrides or adds keys."""
+    return {
+        "device_id": device_id,
+        "broker": host,
+        "port": port,
+        "backoff_base_ms": 100,
+        "backoff_max_ms": 800,
+        "wdt_ms": 5000,
+        "receipts": False,
+        **extra,
+    }
+
+
+def wait_console(board: Board, text: str, count: int = 1, what: str = "", timeout: float = 20) -> None:
+    """Until the board's console shows `text` `count` times (an event the
+    firmware prints), instead of sleeping through its boot."""
+    wait_until(
+        lambda: board.console().count(text) >= count,
+        timeout,
+        what=what or f"{text!r} x{count} on the console",
+    )
