@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,3 +32,23 @@ def subscribe(broker: Broker, tmp_path: Path) -> Iterator[Callable[[str], MqttLo
     yield start
     for log in logs:
         log.stop()
+
+
+@pytest.fixture
+def pty(tmp_path: Path) -> Iterator[Path]:
+    """A pseudo-terminal pair from socat; the test uses one end as the port."""
+    if shutil.which("socat") is None:
+        pytest.fail("socat is not installed (run .ci/setup)")
+    a, b = tmp_path / "ttyA", tmp_path / "ttyB"
+    proc = subprocess.Popen(
+        ["socat", f"pty,raw,echo=0,link={a}", f"pty,raw,echo=0,link={b}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 5
+    while not a.exists():
+        assert time.monotonic() < deadline, "socat made no PTY"
+        time.sleep(0.05)
+    yield a
+    proc.terminate()
+    proc.wait(timeout=5)

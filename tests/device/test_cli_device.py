@@ -9,7 +9,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -43,26 +42,6 @@ def _provision(*extra: str, env: dict[str, str] | None = None) -> tuple[int, str
     ]
     result = CliRunner().invoke(device.app, args, env=env)
     return result.exit_code, result.output
-
-
-@pytest.fixture
-def pty(tmp_path: Path) -> Iterator[Path]:
-    """A pseudo-terminal pair from socat; the test uses one end as the port."""
-    if shutil.which("socat") is None:
-        pytest.fail("socat is not installed (run .ci/setup)")
-    a, b = tmp_path / "ttyA", tmp_path / "ttyB"
-    proc = subprocess.Popen(
-        ["socat", f"pty,raw,echo=0,link={a}", f"pty,raw,echo=0,link={b}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 5
-    while not a.exists():
-        assert time.monotonic() < deadline, "socat made no PTY"
-        time.sleep(0.05)
-    yield a
-    proc.terminate()
-    proc.wait(timeout=5)
 
 
 @pytest.fixture

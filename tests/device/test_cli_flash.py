@@ -16,8 +16,6 @@ import json
 import shutil
 import struct
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,25 +120,6 @@ def test_chip_and_probe_parsing() -> None:
     assert device_flash.parse_chip("nothing") is None
     wrong = device_flash.classify("/dev/x", "A fatal error occurred: This chip is ESP32-S3, not ESP32. Wrong")
     assert "the board is an ESP32-S3 but the image is for ESP32" in str(wrong)
-
-
-@pytest.fixture
-def pty(tmp_path: Path) -> Iterator[Path]:
-    if shutil.which("socat") is None:
-        pytest.fail("socat is not installed (run .ci/setup)")
-    a, b = tmp_path / "ttyA", tmp_path / "ttyB"
-    proc = subprocess.Popen(
-        ["socat", f"pty,raw,echo=0,link={a}", f"pty,raw,echo=0,link={b}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 5
-    while not a.exists():
-        assert time.monotonic() < deadline, "socat made no PTY"
-        time.sleep(0.05)
-    yield a
-    proc.terminate()
-    proc.wait(timeout=5)
 
 
 def test_flash_where_no_chip_answers_real_esptool(tmp_path: Path, pty: Path) -> None:
