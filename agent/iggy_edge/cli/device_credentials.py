@@ -14,7 +14,6 @@ it was generated here, once.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -25,17 +24,11 @@ from typing import Annotated
 
 import typer
 
+from ..device_ids import device_id_problem
 from .common import fail
 
 DEVICES_PASSWD = Path("/etc/mosquitto/iggy-edge-devices.passwd")
 MOSQUITTO_PID_FILE = Path("/run/mosquitto/mosquitto.pid")
-# Device ids are MQTT user names, client ids (use_username_as_clientid) and
-# a topic level (%u in the ACL): no wildcards, separators or ':' (the
-# password file's field separator).
-DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-# The agent's client ids are iggy-edge-<gateway>[-deliver|-doctor]: a device
-# user with such a name would get that client id on the device listener.
-RESERVED_PREFIX = "iggy-edge"
 GENERATED_BYTES = 18  # 24 characters of URL-safe base64
 
 app = typer.Typer(
@@ -48,16 +41,10 @@ class CredentialsError(Exception):
 
 
 def check_device_id(device_id: str) -> str:
-    if not DEVICE_ID.match(device_id):
-        raise CredentialsError(
-            f"device id {device_id!r} is not usable as an MQTT user: 1-64 characters, letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit"
-        )
-    if device_id.lower().startswith(RESERVED_PREFIX):
-        raise CredentialsError(
-            f"device id {device_id!r} is reserved: names starting with {RESERVED_PREFIX!r} belong to "
-            "the agent's own MQTT sessions"
-        )
+    """`device_id`, or a CredentialsError saying why it cannot be an MQTT user (device_ids.py)."""
+    problem = device_id_problem(device_id)
+    if problem is not None:
+        raise CredentialsError(problem)
     return device_id
 
 

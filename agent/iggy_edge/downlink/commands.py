@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,16 +37,14 @@ from enum import StrEnum
 from typing import Any, Final, TypeVar
 
 from ..config import Settings
+from ..device_ids import device_id_problem
 from ..uplink.partition import partition_for
 
 MAX_ID_CHARS: Final = 64  # the device library keeps recent ids; it accepts 1..64 characters
 MAX_NAME_CHARS: Final = 64
-MAX_DEVICE_CHARS: Final = 128
 # What a device accepts on down/cmd and down/config: the device library's
 # default msg_max_bytes (device/iggy_device/config.py).
 MAX_DEVICE_PAYLOAD_BYTES: Final = 4096
-# A device id is one MQTT topic level: no separators, wildcards or NUL.
-DEVICE_ID: Final = re.compile(r"^[^/+#\x00]{1,128}$")
 _SEP: Final = (",", ":")
 
 
@@ -182,9 +179,11 @@ def _text(doc: dict[str, Any], key: str, limit: int) -> str:
 
 
 def _device(doc: dict[str, Any]) -> str:
-    device = _text(doc, "device", MAX_DEVICE_CHARS)
-    if not DEVICE_ID.match(device):
-        raise InvalidCommand(f"'device' {device[:40]!r} is not one MQTT topic level (no '/', '+', '#')")
+    device = doc.get("device")
+    problem = device_id_problem(device)
+    if problem is not None:
+        raise InvalidCommand(f"'device': {problem}")
+    assert isinstance(device, str)
     return device
 
 
