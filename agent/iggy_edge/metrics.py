@@ -159,6 +159,13 @@ class Metrics:
             "Desired configs published retained again (restore after the broker lost them, or on demand)",
             registry=r,
         )
+        # the supervisor (supervisor.py)
+        self.stage_restarts = Counter(
+            "iggy_edge_agent_stage_restarts",
+            "Times a stage failed unexpectedly and was restarted by the supervisor",
+            ["stage"],
+            registry=r,
+        )
         # receipts (receipts.py; the per-device gauges come from its collector)
         self.receipts_sent = Counter("iggy_edge_receipts_sent", "Receipts published to devices", registry=r)
         self.receipts_lag = Histogram(

@@ -17,9 +17,10 @@ metrics/health httpd.py, metrics.py        Agent.health(), Metrics
 systemd        systemd.py                  Agent.ready, Agent.wait_up()
 =============  ==========================  ===================================
 
-One asyncio loop, one task group.  The stages are supervised: a stage that
-fails unexpectedly is logged with its traceback and restarted with backoff
-(this is the one place `except Exception` is allowed); an orderly stop
+One asyncio loop, one task group.  The stages are supervised
+(supervisor.py): a stage that fails unexpectedly is logged with its
+traceback and restarted with backoff, on every Python the package supports,
+and /health is unhealthy while it fails; an orderly stop
 (`Agent.stop()`, SIGTERM) stops ingest first so nothing new is acknowledged,
 lets the forwarder finish the batch in flight, commits what is pending and
 closes the database -- all within `shutdown_timeout_s`.
@@ -32,9 +33,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from .backoff import backoff_delay
 from .config import Settings
 from .forward import Forwarder
 from .httpd import http_endpoint
@@ -44,6 +44,7 @@ from .receipts import Receipts
 from .routing import Router
 from .stages import DeadLetterSink, IngestObserver
 from .store import Outbox, StoreError
+from .supervisor import Supervisor
 from .systemd import systemd_notify
 from .timeouts import wait_for
 from .uplink.factory import make_command_source, make_uplink
@@ -68,6 +69,8 @@ class Health:
     attention: str = ""  # e.g. a damaged buffer moved aside, until acknowledged (store/recovery.py)
     # Connects where the broker had forgotten the agent's session (ingest.py)
     mqtt_sessions_lost: int = 0
+    # Each supervised stage: "running", "failing (...)" or "ended" (supervisor.py)
+    stages: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -149,6 +152,7 @@ class Agent:
             self.receipts = Receipts(settings.receipts, self.metrics, self._publish_receipt)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
+        self._supervisor = Supervisor(self._stop, self.metrics)
         self._store_problem: str | None = None  # why the buffer cannot be opened yet
 
     def stop(self) -> None:
@@ -237,7 +241,8 @@ class Agent:
             uplink_ok = down_for < self.settings.metrics.uplink_down_unhealthy_s
         attention = self.outbox.attention if self.outbox is not None else (self._store_problem or "")
         lost = 0 if self.ingest is None else self.ingest.sessions_lost
-        return Health(ingest == "up" and store == "ok" and uplink_ok, ingest, store, uplink, attention, lost)
+        healthy = ingest == "up" and store == "ok" and uplink_ok and not self._supervisor.failing()
+        return Health(healthy, ingest, store, uplink, attention, lost, self._supervisor.states())
 
     async def run(self) -> None:
         early = [self._start_component(c) for c in self.components if c in BEFORE_STORE]
@@ -250,7 +255,7 @@ class Agent:
 
     def _start_component(self, comp: Component) -> asyncio.Task[None]:
         name = getattr(comp, "__name__", "component")
-        return asyncio.create_task(self._supervise(name, lambda: comp(self)), name=name)
+        return asyncio.create_task(self._supervisor.supervise(name, lambda: comp(self)), name=name)
 
     def _on_store_failure(self, err: StoreError | None) -> None:
         self._store_problem = None if err is None else f"buffer cannot be opened: {err}"
@@ -289,20 +294,18 @@ class Agent:
             log.warning("no uplink configured (set IGGY_ADDRESS or [iggy] kind): records stay in the outbox")
         try:
             async with asyncio.TaskGroup() as tg:
-                ingest_task = tg.create_task(self._supervise("ingest", ingest.run), name="ingest")
-                forward_task = None
-                if self.forwarder is not None:
-                    forward_task = tg.create_task(
-                        self._supervise("forward", self.forwarder.run), name="forward"
-                    )
-                others = [tg.create_task(self._supervise("housekeeping", self._housekeeping))]
+
+                def stage(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+                    return tg.create_task(self._supervisor.supervise(name, run), name=name)
+
+                ingest_task = stage("ingest", ingest.run)
+                forward_task = None if self.forwarder is None else stage("forward", self.forwarder.run)
+                others = [stage("housekeeping", self._housekeeping)]
                 if receipts is not None:
-                    others.append(tg.create_task(self._supervise("receipts", receipts.run), name="receipts"))
+                    others.append(stage("receipts", receipts.run))
                 for comp in components:
                     name = getattr(comp, "__name__", "component")
-                    others.append(
-                        tg.create_task(self._supervise(name, lambda c=comp: c(self)), name=name)  # type: ignore[misc]
-                    )
+                    others.append(stage(name, lambda c=comp: c(self)))  # type: ignore[misc]
                 self.ready.set()
                 await self._stop.wait()
                 await self._shutdown(ingest_task, forward_task, others)
@@ -333,24 +336,6 @@ class Agent:
                 forward_task.cancel()
         for t in others:
             t.cancel()
-
-    async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
-        attempt = 0
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                await run()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the supervisor: log, count, restart with backoff
-                log.exception("stage %s failed; restarting it", name)
-                if name == "ingest":
-                    self.metrics.mqtt_reconnects.inc()
-                attempt = 0 if time.monotonic() - started > 60 else attempt + 1
-                with contextlib.suppress(TimeoutError):
-                    await wait_for(self._stop.wait(), backoff_delay(attempt, 1.0, 30.0))
-            else:
-                return
 
     async def _housekeeping(self) -> None:
         assert self.outbox is not None

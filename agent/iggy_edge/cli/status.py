@@ -33,6 +33,7 @@ import typer
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from ..buffer_admin import read_stats
@@ -220,6 +221,10 @@ def render(f: dict[str, Any], source: str) -> Table:
         f"oldest {st['oldest_age_s']:.0f}s",
     )
     t.add_row("uplink", f"{h.get('uplink', '?')}")
+    stages = h.get("stages")
+    if isinstance(stages, dict) and stages:
+        failing = [f"{n} {text}" for n, text in sorted(stages.items()) if str(text).startswith("failing")]
+        t.add_row("stages", "[red]" + escape("; ".join(failing)) + "[/]" if failing else "all running")
     mean = fw["mean_send_ms"]
     t.add_row(
         "forwarded",
