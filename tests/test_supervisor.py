@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from iggy_edge.cli.status import Snapshot, figures, render
 from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
 from iggy_edge.metrics import Metrics
-from iggy_edge.runtime import build_agent
+from iggy_edge.runtime import Agent, build_agent
 from iggy_edge.supervisor import Supervisor
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.memory import MemoryCommandSource, MemoryIggy
@@ -27,7 +29,17 @@ from rich.console import Console
 
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, downlink_settings
+from tests.support.ports import free_port
 from tests.support.wait import async_wait_until
+
+
+def http_get(agent: Agent, path: str) -> tuple[int, str]:
+    url = f"http://{agent.settings.metrics.listen}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 class FailsOnce(MemoryCommandSource):
@@ -50,7 +62,9 @@ class FailsOnce(MemoryCommandSource):
 async def test_return_path_that_fails_in_its_task_group_is_restarted_and_health_says_so(
     broker: Broker, tmp_path: Path
 ) -> None:
-    settings = downlink_settings(tmp_path, broker)
+    settings = downlink_settings(
+        tmp_path, broker, metrics={"enabled": True, "listen": f"127.0.0.1:{free_port()}"}
+    )
     iggy = MemoryIggy()
     source = FailsOnce(iggy, consumer_name(settings))
     agent = build_agent(settings, uplink=iggy.uplink(), command_source=source)
@@ -68,6 +82,9 @@ async def test_return_path_that_fails_in_its_task_group_is_restarted_and_health_
         assert not health.healthy
         assert "KeyError" in health.stages["return_path"], health.stages
         assert health.stages["ingest"] == "running"
+        assert (await asyncio.to_thread(http_get, agent, "/health"))[0] == 503
+        metrics = (await asyncio.to_thread(http_get, agent, "/metrics"))[1]
+        assert 'iggy_edge_agent_stage_failing{stage="return_path"} 1.0' in metrics
 
         cmd = make_command("dev-1", "blink")
         iggy.publish("edge", commands_topic(settings), partition_of("dev-1", settings), cmd.wire())

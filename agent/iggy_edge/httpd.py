@@ -133,6 +133,14 @@ class _AgentCollector:
         parts.add_metric(["store"], 1.0 if health.store == "ok" else 0.0)
         parts.add_metric(["uplink"], 1.0 if health.uplink in ("up", "none") else 0.0)
         yield parts
+        stages = GaugeMetricFamily(
+            "iggy_edge_agent_stage_failing",
+            "1 while a stage failed less than a minute ago (restarting, or in a crash loop)",
+            labels=["stage"],
+        )
+        for name, text in health.stages.items():
+            stages.add_metric([name], 1.0 if text.startswith("failing") else 0.0)
+        yield stages
         server = self._server
         yield GaugeMetricFamily(
             "iggy_edge_http_connections_open",
