@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from iggy_edge.logs import REDACTED, JsonFormatter, Redactor, install_loop_exception_handler, setup_logging
+from iggy_edge import __version__
+from iggy_edge.logs import (
+    REDACTED,
+    JsonFormatter,
+    Redactor,
+    install_loop_exception_handler,
+    priority,
+    setup_logging,
+)
 from iggy_edge.runtime import Health, build_agent
 from iggy_edge.systemd import Notifier, systemd_notify
 
@@ -284,3 +293,59 @@ def test_agent_never_logs_its_passwords(tmp_path: Path) -> None:
         assert mqtt_secret not in out
         assert iggy_secret not in out
         assert '"stopped;' in out
+
+
+def _run_agent_until(tmp_path: Path, env: dict[str, str], wanted: bytes, *, journal: bool) -> str:
+    """`iggy-edge run` with no broker to reach, stderr into a file; when
+    `journal`, JOURNAL_STREAM names that file as systemd names the journal's
+    stream.  Stopped with SIGTERM once `wanted` was written."""
+    binary = Path(sys.executable).parent / "iggy-edge"
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'gateway_id = "gw-journal"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "127.0.0.1"\nport = {free_port()}\n'
+        f"[metrics]\nenabled = false\n"
+    )
+    log_path = tmp_path / ("journal.log" if journal else "plain.log")
+    with log_path.open("wb") as log_file:
+        st = os.fstat(log_file.fileno())
+        if journal:
+            env = dict(env, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+        agent = subprocess.Popen(
+            [str(binary), "run", "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT, env=env
+        )
+        try:
+            wait_until(lambda: wanted in log_path.read_bytes(), 20, what=wanted.decode())
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(20) == 0
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    return log_path.read_text()
+
+
+@pytest.mark.slow
+def test_under_journald_lines_carry_their_priority_and_no_second_timestamp(tmp_path: Path) -> None:
+    """`journalctl -p warning` filters on the <N> prefix journald strips;
+    the journal stamps each entry, so a text line has no time of its own.
+    A JOURNAL_STREAM that is not our stderr (a shell started from a unit)
+    changes nothing.  The start-up line names the version."""
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    out = _run_agent_until(tmp_path, env, b"WARNING", journal=True)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[0].startswith(f"<6>INFO iggy_edge: iggy-edge {__version__} starting: gateway gw-journal")
+    assert all(re.match(r"<[2-7]>[A-Z]+ ", line) for line in lines), lines
+    warnings = [line for line in lines if " WARNING " in f" {line[3:]}"]
+    assert warnings, lines
+    assert all(line.startswith("<4>WARNING ") for line in warnings)
+    assert not any(re.search(r"\d\d:\d\d:\d\d", line) for line in lines), lines
+
+    other = dict(env, JOURNAL_STREAM="1:2")  # someone else's stream
+    out = _run_agent_until(tmp_path, other, b"WARNING", journal=False)
+    first = out.splitlines()[0]
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO iggy_edge: iggy-edge ", first), first
+
+
+def test_priorities_follow_syslog() -> None:
+    assert [priority(n) for n in (10, 20, 25, 30, 40, 50, 60)] == [7, 6, 4, 4, 3, 2, 2]

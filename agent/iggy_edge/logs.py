@@ -11,7 +11,9 @@ import asyncio
 import datetime
 import json
 import logging
+import os
 import re
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, Final
@@ -181,24 +183,78 @@ class _OneLineFormatter(logging.Formatter):
         return super().format(record).replace("\n", " | ")
 
 
+# syslog priorities (sd-daemon(3)): what journald takes from a "<N>" prefix
+_PRIORITY: Final = {
+    logging.CRITICAL: 2,
+    logging.ERROR: 3,
+    logging.WARNING: 4,
+    logging.INFO: 6,
+    logging.DEBUG: 7,
+}
+
+
+def priority(levelno: int) -> int:
+    """The syslog priority of a logging level (levels between take the next more severe)."""
+    for level in sorted(_PRIORITY):
+        if levelno <= level:
+            return _PRIORITY[level]
+    return _PRIORITY[logging.CRITICAL]
+
+
+class _JournalPrefix(logging.Formatter):
+    """Prefixes each line with ``<N>``, its syslog priority: journald strips
+    it and stores the entry at that priority, so ``journalctl -p warning``
+    shows warnings and worse.  Wraps the text or JSON formatter."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{priority(record.levelno)}>{self._inner.format(record)}"
+
+
+def stderr_is_journal() -> bool:
+    """True when stderr is connected to journald: systemd sets
+    ``JOURNAL_STREAM=<device>:<inode>`` of the stream it gave the service,
+    and a child whose stderr was redirected elsewhere must not match."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # no stderr, or not a real file
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
 def setup_logging(
     level: str = "INFO",
     fmt: str = "text",
     secrets: Iterable[str] = (),
     public: Iterable[str | None] = (),
+    *,
+    journal: bool | None = None,
 ) -> None:
-    """One event per line on stderr (journald adds its own timestamps).
+    """One event per line on stderr.
 
     `fmt` is "text" or "json"; `secrets` are values that must never appear
     in a log line, `public` values that may (user names; see `Redactor`).
+    Under journald (`journal`, by default `stderr_is_journal()`) each line
+    starts with its ``<N>`` priority and text lines carry no timestamp of
+    their own (the journal stamps every entry).
     """
     handler = logging.StreamHandler()
+    journal = stderr_is_journal() if journal is None else journal
+    formatter: logging.Formatter
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        formatter = JsonFormatter()
     elif fmt == "text":
-        handler.setFormatter(_OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        stamp = "" if journal else "%(asctime)s "
+        formatter = _OneLineFormatter(stamp + "%(levelname)s %(name)s: %(message)s")
     else:
         raise ValueError(f"unknown log format {fmt!r} (text or json)")
+    handler.setFormatter(_JournalPrefix(formatter) if journal else formatter)
     handler.addFilter(Redactor(secrets, public))
     root = logging.getLogger()
     root.handlers[:] = [handler]

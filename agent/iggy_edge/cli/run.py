@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import signal
 
+from .. import __version__
 from ..logs import install_loop_exception_handler, setup_logging
 from ..runtime import Agent, build_agent
 from ..store import StoreError
@@ -33,7 +35,13 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
     secrets = [p.get_secret_value() for p in (settings.mqtt.password, settings.iggy.password) if p]
     public = [settings.mqtt.username, settings.iggy.username, settings.gateway_id, settings.mqtt_client_id]
     setup_logging(settings.logging.level, settings.logging.format, secrets, public)
-    log.info("iggy-edge starting: gateway %s, config %s", settings.gateway_id, config)
+    log.info(
+        "iggy-edge %s starting: gateway %s, config %s, Python %s",
+        __version__,
+        settings.gateway_id,
+        config,
+        platform.python_version(),
+    )
     try:
         asyncio.run(run_agent(build_agent(settings)))
     except StoreError as e:  # the buffer cannot be opened and waiting will not fix it
