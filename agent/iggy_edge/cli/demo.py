@@ -8,171 +8,72 @@ temporary data directory, a free loopback port, root credentials made up for
 the run, stopped and removed on exit, Ctrl-C included) and the live table
 shows what that server holds; otherwise it says how to get forwarding and
 the backlog grows in the outbox.
+
+The agent reaches a single Iggy node through a `TcpRelay`, so the demo can
+cut the uplink and heal it (`--cut-uplink-after S` for `--cut-for` seconds,
+or the ``c`` key): the buffer fills and drains while the table goes on.  A
+row is printed every second whatever the uplink does (what the private
+server holds is read back in the background, ``?`` while that read is
+stale).  Ctrl-C stops everything, prints the summary and exits 130; the
+temporary directory is removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
+import termios
 import time
+import tty
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import SecretStr
 
-from ..config import ConfigError, IggySettings, Settings, parse_config
-from ..logs import setup_logging
-from ..metrics import DEAD_LETTER_REASONS
+from ..config import ConfigError, Settings, parse_config
+from ..local_services import IggyView, PrivateIggy, ServiceError, free_port, start_mosquitto
+from ..logs import install_loop_exception_handler, setup_logging
+from ..metrics import DEAD_LETTER_REASONS, DROP_REASONS
 from ..records import Route
+from ..relay import TcpRelay
 from ..routing import Router
-from ..runtime import build_agent
+from ..runtime import Agent, build_agent
 from ..simulate import SimulatedSensor
-from ..uplink.iggy import IggyCommandSource, IggyProbe
-from ..uplink.protocol import UplinkError
+from ..timeouts import wait_for
 from .common import fail
-from .run import run_agent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_mosquitto(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    binary = shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
-    if binary is None:
-        raise fail(
-            "no MQTT broker configured and mosquitto is not installed "
-            "(sudo apt-get install mosquitto, or set IGGY_EDGE_MQTT_HOST)"
-        )
-    port = _free_port()
-    conf = workdir / "mosquitto.conf"
-    # As root, mosquitto would drop to its own user, which cannot write our temp dir.
-    run_as = "user root\n" if os.geteuid() == 0 else ""
-    conf.write_text(
-        f"{run_as}listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
-        f"persistence_location {workdir}/\nmax_queued_messages 1000000\nmax_inflight_messages 0\n"
-        f"log_dest file {workdir}/mosquitto.log\n"
-    )
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return proc, port
-        time.sleep(0.05)
-    proc.kill()
-    raise fail(f"mosquitto did not start (see {workdir}/mosquitto.log)")
-
 
 NO_IGGY_HINT = (
     "uplink    none configured: records stay in the outbox; watch the backlog grow.\n"
-    "          To forward, set IGGY_ADDRESS, IGGY_USERNAME, IGGY_PASSWORD, or put iggy-server 0.9.x\n"
-    "          on PATH and the demo starts a private one (build it from apache/iggy, tag\n"
-    "          server-0.9.0-edge.5: cargo build --release -p server --bin iggy-server)"
+    "          To forward, set IGGY_ADDRESS, IGGY_USERNAME, IGGY_PASSWORD, or\n"
+    "          put iggy-server 0.9.x on PATH and the demo starts a private one\n"
+    "          (build it from apache/iggy, tag server-0.9.0-edge.5:\n"
+    "          cargo build --release -p server --bin iggy-server)"
 )
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the demo dies, even by SIGKILL
-    (Linux prctl PR_SET_PDEATHSIG), so no server outlives it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)
-
-
-class PrivateIggy:
-    """An `iggy-server` for the demo alone: a temporary data directory, a free
-    loopback port, TCP only, one shard, the smallest memory pool, and root
-    credentials made up for this run.  It runs in a session of its own, so a
-    Ctrl-C reaches the demo, which stops it (`stop`) and removes its data."""
-
-    USERNAME = "iggy"
-
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-        self.datadir = Path(tempfile.mkdtemp(prefix="iggy-edge-demo-iggy-"))
-        self.address = f"127.0.0.1:{_free_port()}"
-        self.password = secrets.token_urlsafe(18)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def settings(self) -> IggySettings:
-        return IggySettings(
-            kind="iggy", address=self.address, username=self.USERNAME, password=SecretStr(self.password)
-        )
-
-    def start(self, timeout: float = 60.0) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("IGGY_")}
-        env.update(
-            {
-                "IGGY_TCP_ADDRESS": self.address,
-                "IGGY_HTTP_ENABLED": "false",
-                "IGGY_QUIC_ENABLED": "false",
-                "IGGY_WEBSOCKET_ENABLED": "false",
-                "IGGY_SYSTEM_PATH": str(self.datadir / "data"),
-                "IGGY_ROOT_USERNAME": self.USERNAME,
-                "IGGY_ROOT_PASSWORD": self.password,
-                "IGGY_SYSTEM_SHARDING_CPU_ALLOCATION": "1",
-                "IGGY_SYSTEM_SHARDING_PIN_CORES": "false",
-                "IGGY_TELEMETRY_ENABLED": "false",
-                "IGGY_SYSTEM_MEMORY_POOL_SIZE": "512 MiB",  # the minimum; the default is 4 GiB
-            }
-        )
-        with (self.datadir / "server.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                [self.binary],
-                cwd=self.datadir,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads yet, and it is one prctl
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise fail(f"iggy-server exited with {self.proc.returncode} (see {self.datadir}/server.log)")
-            if asyncio.run(self._logs_in()):
-                return
-            if time.monotonic() > deadline:
-                raise fail(f"iggy-server does not accept a login after {timeout:.0f} s")
-            time.sleep(0.2)
-
-    async def _logs_in(self) -> bool:
-        try:
-            async with IggyProbe(self.settings(), timeout_s=2.0):
-                return True
-        except UplinkError:
-            return False
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(self.datadir, ignore_errors=True)
 
 
 def demo(
     sensors: Annotated[int, typer.Option(min=1, max=1000, help="Simulated sensors.")] = 5,
     rate: Annotated[float, typer.Option(min=0.1, max=1000, help="Readings per second per sensor.")] = 2.0,
     duration: Annotated[float, typer.Option(help="Stop after this many seconds (0 = until Ctrl-C).")] = 0.0,
+    cut_uplink_after: Annotated[
+        float,
+        typer.Option(
+            help="Cut the link to Iggy after this many seconds and heal it --cut-for seconds later,"
+            " to watch the buffer fill and drain (0 = never; the c key toggles it too)."
+        ),
+    ] = 0.0,
+    cut_for: Annotated[float, typer.Option(min=1, help="How long --cut-uplink-after cuts the link.")] = 15.0,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Where the demo keeps its buffer (default: a fresh temp dir).")
+        Path | None,
+        typer.Option(help="Where the demo keeps its buffer (default: a fresh temp dir, removed on exit)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the agent's log.")] = False,
 ) -> None:
@@ -183,23 +84,27 @@ def demo(
     broker: subprocess.Popen[bytes] | None = None
     host = os.environ.get("IGGY_EDGE_MQTT_HOST")
     port = int(os.environ.get("IGGY_EDGE_MQTT_PORT", "1883"))
-    if host is None:
-        broker, port = _start_mosquitto(workdir)
-        host = "127.0.0.1"
-        typer.echo(f"broker    started a private Mosquitto on {host}:{port}")
-    else:
-        typer.echo(f"broker    using {host}:{port}")
-    raw = {
-        "gateway_id": "demo-gw",
-        "state_dir": str(workdir),
-        "mqtt": {"host": host, "port": port},
-        "metrics": {"listen": f"127.0.0.1:{_free_port()}"},
-    }
     env = dict(os.environ)
     env.pop("IGGY_EDGE_MQTT_HOST", None)
     env.pop("IGGY_EDGE_MQTT_PORT", None)
     iggy: PrivateIggy | None = None
+    interrupted = False
     try:
+        if host is None:
+            try:
+                broker, port = start_mosquitto(workdir)
+            except ServiceError as e:
+                raise fail(str(e)) from None
+            host = "127.0.0.1"
+            typer.echo(f"broker    started a private Mosquitto on {host}:{port}")
+        else:
+            typer.echo(f"broker    using {host}:{port}")
+        raw = {
+            "gateway_id": "demo-gw",
+            "state_dir": str(workdir),
+            "mqtt": {"host": host, "port": port},
+            "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+        }
         try:
             settings = parse_config(raw, source="demo", env=env)
             binary = shutil.which("iggy-server")
@@ -217,6 +122,8 @@ def demo(
                 settings = parse_config(raw, source="demo", env=env)
         except ConfigError as e:
             raise fail(str(e), 2) from None
+        except ServiceError as e:
+            raise fail(str(e)) from None
         if iggy is not None:
             typer.echo(
                 f"uplink    the private Iggy at {iggy.address} (data in {iggy.datadir}, removed on exit)"
@@ -225,100 +132,204 @@ def demo(
             typer.echo(f"uplink    Iggy at {settings.iggy.address} as {settings.iggy.username}")
         else:
             typer.secho(NO_IGGY_HINT, fg=typer.colors.YELLOW)
-        _show(settings, host, port, sensors, rate, duration, iggy)
+        typer.echo(f"buffer    {settings.buffer_path}")
+        typer.echo(f"sensors   {sensors} x {rate}/s on edge/<device>/up/env (Ctrl-C to stop)")
+        plan = _Plan(sensors, rate, duration, cut_uplink_after, cut_for)
+        try:
+            interrupted = asyncio.run(_demo(settings, host, port, plan, iggy))
+        except KeyboardInterrupt:  # Ctrl-C before the demo's own handler was installed
+            interrupted = True
     finally:
         if iggy is not None:
             iggy.stop()
         if broker is not None:
             broker.terminate()
             broker.wait(10)
+        if state_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if interrupted:
+        raise typer.Exit(130)  # what a shell reports for a command ended by Ctrl-C
 
 
-def _show(
-    settings: Settings,
-    host: str,
-    port: int,
-    sensors: int,
-    rate: float,
-    duration: float,
-    iggy: PrivateIggy | None,
-) -> None:
-    typer.echo(f"buffer    {settings.buffer_path}")
-    typer.echo(f"sensors   {sensors} x {rate}/s on edge/<device>/up/env (Ctrl-C to stop)\n")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_demo(settings, host, port, sensors, rate, duration, iggy))
+@dataclass(frozen=True)
+class _Plan:
+    sensors: int
+    rate: float
+    duration: float
+    cut_after: float
+    cut_for: float
 
 
-class IggyView:
-    """What the private server holds in one topic, read back from it: every
-    partition polled from where the last look ended (its own consumer name,
-    nothing stored on the server)."""
+class _Uplink:
+    """The demo's hand on the link to Iggy: a `TcpRelay` the agent reaches
+    Iggy through (a single node only), cut and healed on the plan or by key."""
 
-    def __init__(self, settings: IggySettings, stream: str, topic: str) -> None:
-        self._source = IggyCommandSource(settings, "demo", "iggy-edge-demo-view")
-        self._stream, self._topic = stream, topic
-        self._next = [0] * settings.partitions
-        self.held = 0
+    def __init__(self, relay: TcpRelay | None) -> None:
+        self.relay = relay
+        self.cuts = 0
 
-    async def look(self) -> str:
-        try:
-            for p, start in enumerate(self._next):
-                got = await self._source.poll(self._stream, self._topic, p, start, 10_000)
-                if got:
-                    self._next[p] = got[-1].offset + 1
-                    self.held += len(got)
-        except UplinkError:
-            return "?"
-        return str(self.held)
+    async def toggle(self) -> None:
+        relay = self.relay
+        if relay is None:
+            typer.echo("          (no uplink to cut: the demo forwards to no single Iggy node)")
+        elif relay.is_cut:
+            await relay.restore()
+            typer.echo("          -- uplink healed: watch the buffer drain --")
+        else:
+            await relay.cut()
+            self.cuts += 1
+            typer.echo("          -- uplink cut: the agent keeps buffering --")
 
-    async def close(self) -> None:
-        await self._source.close()
+    async def follow(self, plan: _Plan) -> None:
+        if not plan.cut_after:
+            return
+        await asyncio.sleep(plan.cut_after)
+        await self.toggle()
+        await asyncio.sleep(plan.cut_for)
+        if self.relay is not None and self.relay.is_cut:
+            await self.toggle()
 
 
-async def _demo(
-    settings: Settings, host: str, port: int, n: int, rate: float, duration: float, iggy: PrivateIggy | None
-) -> None:
+@contextlib.contextmanager
+def _keys(loop: asyncio.AbstractEventLoop, on_key: Callable[[str], None]) -> Iterator[None]:
+    """Single keys from the terminal (cbreak mode, restored on exit); nothing
+    when stdin is not a terminal."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    loop.add_reader(fd, lambda: on_key(os.read(fd, 1).decode(errors="replace")))
+    try:
+        yield
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def _demo(settings: Settings, host: str, port: int, plan: _Plan, iggy: PrivateIggy | None) -> bool:
+    """Run the demo until its duration, SIGTERM or Ctrl-C; True after Ctrl-C."""
+    loop = asyncio.get_running_loop()
+    install_loop_exception_handler(loop)
+    stop = asyncio.Event()
+    interrupted = False
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        interrupted = True
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    relay = None
+    if settings.iggy.kind == "iggy" and not settings.iggy.addresses:
+        target_host, _, target_port = settings.iggy.address.rpartition(":")
+        relay = await TcpRelay(target_host, int(target_port)).start()
+        relay_iggy = settings.iggy.model_copy(update={"address": relay.address})
+        settings = settings.model_copy(update={"iggy": relay_iggy})
+    uplink = _Uplink(relay)
     agent = build_agent(settings)
-    agent_task = asyncio.create_task(run_agent(agent))
-    if not await agent.wait_up(30):
+    agent_task = asyncio.create_task(agent.run())
+    background: list[asyncio.Task[None]] = []
+    view: IggyView | None = None
+    try:
+        if not await agent.wait_up(30):
+            raise fail(f"the agent has no MQTT session with {host}:{port} after 30 s")
+        fleet = [SimulatedSensor(f"sensor-{i:02d}", rate_hz=plan.rate) for i in range(plan.sensors)]
+        background += [asyncio.create_task(s.run(host, port, stop)) for s in fleet]
+        # Where the sensors' readings go (edge/<device>/up/env), as ingest routes them.
+        route = Router(settings.routes, settings.buffer.max_payload_bytes).route("edge/sensor-00/up/env", 1)
+        if iggy is not None and isinstance(route, Route):
+            view = IggyView(iggy.settings(), route.stream, route.topic)
+            background.append(asyncio.create_task(view.run()))
+        background.append(asyncio.create_task(uplink.follow(plan)))
+        pressed: asyncio.Queue[str] = asyncio.Queue(16)
+
+        def on_key(key: str) -> None:
+            if not pressed.full():
+                pressed.put_nowait(key)
+
+        async def quit_on_stop() -> None:  # a stop ends the wait for the next row at once
+            await stop.wait()
+            on_key("q")
+
+        background.append(asyncio.create_task(quit_on_stop()))
+        with _keys(loop, on_key):
+            if sys.stdin.isatty():
+                typer.echo("keys      c cuts / heals the uplink, q quits")
+            typer.echo("")
+            await _table(agent, fleet, view, uplink, plan, stop, agent_task, pressed)
+        _summary(agent, fleet, view, uplink)
+    finally:
+        stop.set()
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         agent.stop()
         await agent_task
-        raise fail(f"the agent has no MQTT session with {host}:{port} after 30 s")
-    stop = asyncio.Event()
-    fleet = [SimulatedSensor(f"sensor-{i:02d}", rate_hz=rate) for i in range(n)]
-    sims = [asyncio.create_task(s.run(host, port, stop)) for s in fleet]
+        if view is not None:
+            await view.close()
+        if relay is not None:
+            await relay.stop()
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.remove_signal_handler(signal.SIGTERM)
+    return interrupted
+
+
+async def _table(
+    agent: Agent,
+    fleet: list[SimulatedSensor],
+    view: IggyView | None,
+    uplink: _Uplink,
+    plan: _Plan,
+    stop: asyncio.Event,
+    agent_task: asyncio.Task[None],
+    pressed: asyncio.Queue[str],
+) -> None:
+    """A row a second, each sampled at once when it is printed."""
     m = agent.metrics
-    # Where the sensors' readings go (edge/<device>/up/env), as ingest routes them.
-    route = Router(settings.routes, settings.buffer.max_payload_bytes).route("edge/sensor-00/up/env", 1)
-    view = (
-        IggyView(iggy.settings(), route.stream, route.topic)
-        if iggy is not None and isinstance(route, Route)
-        else None
-    )
     started = time.monotonic()
     typer.echo(
         f"{'time':>6} {'published':>10} {'ingested':>9} {'buffered':>9} {'forwarded':>10} {'dead':>5} "
         f"{'in_iggy':>8}  uplink"
     )
-    try:
-        while not agent_task.done():
-            await asyncio.sleep(1.0)
-            elapsed = time.monotonic() - started
-            ingested = sum(m.value("iggy_edge_ingest_messages_total", qos=q) for q in "012")
-            dead = sum(m.value("iggy_edge_store_dead_letters_total", reason=r) for r in DEAD_LETTER_REASONS)
-            held = "-" if view is None else await view.look()
-            typer.echo(
-                f"{elapsed:5.0f}s {sum(s.sent for s in fleet):>10} {ingested:>9.0f} "
-                f"{m.value('iggy_edge_store_backlog_records'):>9.0f} "
-                f"{m.value('iggy_edge_forward_records_total'):>10.0f} {dead:>5.0f} {held:>8}  "
-                f"{agent.health().uplink}"
-            )
-            if duration and elapsed >= duration:
+    tick = 0
+    while not stop.is_set() and not agent_task.done():
+        tick += 1
+        with contextlib.suppress(TimeoutError):
+            key = await wait_for(pressed.get(), max(0.0, started + tick - time.monotonic()))
+            if key in "qQ":
                 break
-    finally:
-        stop.set()
-        await asyncio.gather(*sims, return_exceptions=True)
-        agent.stop()
-        await agent_task
-        if view is not None:
-            await view.close()
+            if key in "cC":
+                await uplink.toggle()
+            tick -= 1  # a key came before the row was due: wait out the same row
+            continue
+        elapsed = time.monotonic() - started
+        ingested = sum(m.value("iggy_edge_ingest_messages_total", qos=q) for q in "012")
+        dead = sum(m.value("iggy_edge_store_dead_letters_total", reason=r) for r in DEAD_LETTER_REASONS)
+        held = "-" if view is None else view.shown()
+        cut = " (cut by the demo)" if uplink.relay is not None and uplink.relay.is_cut else ""
+        typer.echo(
+            f"{elapsed:5.0f}s {sum(s.sent for s in fleet):>10} {ingested:>9.0f} "
+            f"{m.value('iggy_edge_store_backlog_records'):>9.0f} "
+            f"{m.value('iggy_edge_forward_records_total'):>10.0f} {dead:>5.0f} {held:>8}  "
+            f"{agent.health().uplink}{cut}"
+        )
+        if plan.duration and elapsed >= plan.duration:
+            break
+
+
+def _summary(agent: Agent, fleet: list[SimulatedSensor], view: IggyView | None, uplink: _Uplink) -> None:
+    m = agent.metrics
+    ingested = sum(m.value("iggy_edge_ingest_messages_total", qos=q) for q in "012")
+    dead = sum(m.value("iggy_edge_store_dead_letters_total", reason=r) for r in DEAD_LETTER_REASONS)
+    dropped = sum(m.value("iggy_edge_store_dropped_records_total", reason=r) for r in DROP_REASONS)
+    typer.echo(
+        f"\nsummary   published {sum(s.sent for s in fleet)}, ingested {ingested:.0f}, "
+        f"forwarded {m.value('iggy_edge_forward_records_total'):.0f}"
+        + ("" if view is None else f" (read back from Iggy {view.held})")
+        + f", still buffered {m.value('iggy_edge_store_backlog_records'):.0f}"
+        + f", dead letters {dead:.0f}, dropped {dropped:.0f}"
+        + (f"; uplink cut {uplink.cuts} time(s)" if uplink.cuts else "")
+    )
