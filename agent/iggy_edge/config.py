@@ -387,6 +387,9 @@ class MetricsSettings(_Model):
     listen: Annotated[str, AfterValidator(_listen)] = "127.0.0.1:9108"
     # Health turns unhealthy when the uplink has been down this long.
     uplink_down_unhealthy_s: Annotated[float, Field(gt=0, le=TEN_YEARS_S)] = 300.0
+    # A device silent this long is stale (device list, /devices, the dashboard,
+    # iggy_edge_devices_stale).
+    device_stale_s: Annotated[float, Field(gt=0, le=TEN_YEARS_S)] = 600.0
 
 
 class LoggingSettings(_Model):

@@ -7,7 +7,8 @@ Routes (GET or HEAD only):
                Prometheus text exposition format, plus ``iggy_edge_agent_*``
                (info, start time, health) computed at scrape time
 ``/health``    JSON from `Agent.health()`; 200 when healthy, 503 when not
-``/``          a two-line index
+``/``          the dashboard (dashboard.py: one self-contained page), which
+               reads ``/api/overview`` and ``/devices`` (JSON)
 =============  ==============================================================
 
 Why not aiohttp or prometheus_client's own server: the latter runs in a
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Final
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from . import __version__
+from . import __version__, dashboard
 from .backoff import backoff_delay
 from .config import parse_listen
 from .logs import RateLimitedLog
@@ -82,6 +83,10 @@ REASONS: Final = {
     400: "Bad Request",
     503: "Service Unavailable",
 }
+
+
+def _json(doc: object) -> bytes:
+    return json.dumps(doc).encode() + b"\n"
 
 
 def local_url(listen: str) -> str:
@@ -141,6 +146,19 @@ class _AgentCollector:
         for name, text in health.stages.items():
             stages.add_metric([name], 1.0 if text.startswith("failing") else 0.0)
         yield stages
+        yield GaugeMetricFamily(
+            "iggy_edge_devices_seen", "Devices heard from (devices.py)", value=len(agent.devices)
+        )
+        yield GaugeMetricFamily(
+            "iggy_edge_devices_stale",
+            "Devices silent longer than metrics.device_stale_s",
+            value=agent.devices.stale(agent.settings.metrics.device_stale_s),
+        )
+        yield CounterMetricFamily(
+            "iggy_edge_devices_forgotten",
+            "Devices forgotten because the device table was full",
+            value=agent.devices.forgotten,
+        )
         server = self._server
         yield GaugeMetricFamily(
             "iggy_edge_http_connections_open",
@@ -174,6 +192,7 @@ class MetricsServer:
         self._waiting: dict[asyncio.StreamWriter, None] = {}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self._graced = 0
+        self.samples = dashboard.Samples(agent.metrics)  # the dashboard's last hour
         agent.metrics.registry.register(self._collector)
 
     @property
@@ -194,7 +213,11 @@ class MetricsServer:
         self._server = await asyncio.start_server(
             self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES, backlog=LISTEN_BACKLOG
         )
-        log.info("metrics and health on http://%s:%d/metrics and /health", self._host, self.port)
+        log.info(
+            "metrics, health and the dashboard on http://%s:%d/ (/metrics, /health, /devices)",
+            self._host,
+            self.port,
+        )
 
     async def close(self) -> None:
         with contextlib.suppress(KeyError):  # unregistered already
@@ -298,9 +321,13 @@ class MetricsServer:
                 "version": __version__,
                 "uptime_s": round(time.time() - self._agent.metrics.started_at, 1),
             }
-            return (200 if health.healthy else 503), "application/json", json.dumps(doc).encode() + b"\n"
+            return (200 if health.healthy else 503), "application/json", _json(doc)
         if path == "/":
-            return 200, "text/plain", b"iggy-edge: /metrics (Prometheus), /health (JSON)\n"
+            return 200, "text/html; charset=utf-8", dashboard.PAGE
+        if path == "/api/overview":
+            return 200, "application/json", _json(dashboard.overview(self._agent, self.samples))
+        if path == "/devices":
+            return 200, "application/json", _json(dashboard.devices_doc(self._agent))
         return 404, "text/plain", b"not found\n"
 
 
@@ -329,6 +356,6 @@ async def http_endpoint(agent: Agent) -> None:
             await asyncio.sleep(delay)
             continue
         try:
-            await asyncio.Event().wait()  # until cancelled at shutdown
+            await server.samples.run()  # the dashboard's samples, until cancelled at shutdown
         finally:
             await server.close()

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 from .config import Settings
+from .devices import DeviceTable, device_prefix
 from .forward import Forwarder
 from .httpd import http_endpoint
 from .ingest import Ingest
@@ -146,6 +147,8 @@ class Agent:
         self.outbox: Outbox | None = None
         self.ingest: Ingest | None = None
         self.forwarder: Forwarder | None = None
+        # Every device heard from (devices.py): device list, /devices, the dashboard
+        self.devices = DeviceTable(device_prefix(settings))
         # Delivery receipts to the devices (receipts.py), on ingest's session
         self.receipts: Receipts | None = None
         if settings.receipts.enabled:
@@ -283,6 +286,7 @@ class Agent:
             s.buffer.overflow,
         )
         self.ingest = ingest = Ingest(s, outbox, self.router, self.metrics)
+        ingest.observers.append(self.devices.observe)
         receipts = self.receipts
         if receipts is not None:
             ingest.observers.append(receipts.observe)

@@ -1,0 +1,187 @@
+"""Every device the gateway has heard from, at a glance.
+
+`DeviceTable.observe` is an ingest observer (stages.IngestObserver): it sees
+each committed message and keeps, per device, when it was last heard from,
+its readings and bytes since the agent started, its current rate, its
+retained status (``online`` / ``offline`` on ``edge/<device>/status``, and
+since when) and the versions it reports in its diag (``lib``, ``fw``, when
+the board sends them).  `iggy-edge device list`, ``/devices`` on the HTTP
+endpoint and the dashboard show it, with what the buffer, the receipts and
+the return path know of the same device (`DeviceTable.rows`).
+
+Cost on ingest: one prefix check, one ``str.find`` and a few integer
+updates per message; the status and diag payloads are parsed only on those
+topics.
+
+Bounded: at most `MAX_DEVICES` devices are kept.  When a new one would pass
+the bound, the stalest tenth is forgotten at once (so the scan is paid once
+per thousand new devices, not per message), counted in
+``iggy_edge_devices_forgotten_total`` and logged, rate-limited.  A device
+that is forgotten and heard from again starts its counts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .config import Settings
+from .device_ids import is_device_id
+from .logs import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+MAX_DEVICES: Final = 10_000
+RATE_WINDOW_S: Final = 10.0  # the current rate is the count of the last full window
+MAX_VERSION_CHARS: Final = 40
+
+
+def device_prefix(settings: Settings) -> str:
+    """What stands before the device id in its topics (``edge/``), taken from
+    the receipts' topic template as receipts.py takes it."""
+    return settings.receipts.topic.partition("{device}")[0]
+
+
+@dataclass(slots=True)
+class _Device:
+    first_seen: float
+    last_seen: float
+    readings: int = 0
+    bytes: int = 0
+    window_start: float = 0.0
+    window_count: int = 0
+    rate: float = 0.0  # readings per second in the last full window
+    status: str = ""
+    status_since: float | None = None
+    lib: str = ""
+    fw: str = ""
+
+
+class DeviceTable:
+    def __init__(self, prefix: str = "edge/", *, max_devices: int = MAX_DEVICES) -> None:
+        self._prefix = prefix
+        self._max = max_devices
+        self._devices: dict[str, _Device] = {}
+        self.forgotten = 0
+        self._limited = RateLimitedLog(log)
+
+    def __len__(self) -> int:
+        return len(self._devices)
+
+    # -- what ingest tells us (synchronous, never raises) ----------------------
+
+    def observe(self, topic: str, payload: bytes) -> None:
+        prefix = self._prefix
+        if not topic.startswith(prefix):
+            return
+        start = len(prefix)
+        end = topic.find("/", start)
+        if end <= start:
+            return
+        rest = topic[end + 1 :]
+        if rest.startswith("down/"):
+            return  # ours (receipts, commands) echoed back: not the device's
+        dev_id = topic[start:end]
+        now = time.time()
+        dev = self._devices.get(dev_id)
+        if dev is None:
+            if not is_device_id(dev_id):
+                return  # not a device a person could look up; ingest dead-letters or stores it
+            dev = self._new(dev_id, now)
+        dev.last_seen = now
+        if rest == "status":
+            self._status(dev, payload, now)
+            return
+        if rest == "up/ack":
+            return  # a command's ack, not a reading (the return path counts it)
+        dev.readings += 1
+        dev.bytes += len(payload)
+        if now - dev.window_start >= RATE_WINDOW_S:
+            elapsed = now - dev.window_start
+            # a window long past says nothing of the current rate
+            dev.rate = dev.window_count / elapsed if elapsed < 2 * RATE_WINDOW_S else 0.0
+            dev.window_start, dev.window_count = now, 0
+        dev.window_count += 1
+        if rest == "up/diag":
+            self._diag(dev, payload)
+
+    def _new(self, dev_id: str, now: float) -> _Device:
+        if len(self._devices) >= self._max:
+            stalest = sorted(self._devices, key=lambda k: self._devices[k].last_seen)
+            drop = stalest[: max(1, self._max // 10)]
+            for k in drop:
+                del self._devices[k]
+            self.forgotten += len(drop)
+            self._limited.warning(
+                "forget",
+                "device table full (%d devices): forgot the %d heard from longest ago",
+                self._max,
+                len(drop),
+            )
+        dev = self._devices[dev_id] = _Device(first_seen=now, last_seen=now, window_start=now)
+        return dev
+
+    @staticmethod
+    def _status(dev: _Device, payload: bytes, now: float) -> None:
+        text = payload[:16].decode("ascii", "replace").strip().lower()
+        state = text if text in ("online", "offline") else "unknown"
+        if state != dev.status:
+            dev.status, dev.status_since = state, now
+
+    @staticmethod
+    def _diag(dev: _Device, payload: bytes) -> None:
+        if len(payload) > 4096:
+            return
+        try:
+            doc = json.loads(payload)
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+            return
+        if not isinstance(doc, dict):
+            return
+        for key in ("lib", "fw"):
+            value = doc.get(key)
+            if isinstance(value, str) and value.isprintable():
+                setattr(dev, key, value[:MAX_VERSION_CHARS])
+
+    # -- what the views read -----------------------------------------------------
+
+    def rows(self, now: float | None = None) -> list[dict[str, Any]]:
+        """One JSON-ready dict per device, stalest first."""
+        now = time.time() if now is None else now
+        out = []
+        for dev_id, d in sorted(self._devices.items(), key=lambda kv: kv[1].last_seen):
+            rate = _rate(d, now)
+            out.append(
+                {
+                    "device": dev_id,
+                    "last_seen": round(d.last_seen, 3),
+                    "silent_s": round(max(0.0, now - d.last_seen), 1),
+                    "readings": d.readings,
+                    "bytes": d.bytes,
+                    "rate_per_s": round(rate, 2),
+                    "status": d.status or None,
+                    "status_since": None if d.status_since is None else round(d.status_since, 3),
+                    "lib": d.lib or None,
+                    "fw": d.fw or None,
+                }
+            )
+        return out
+
+    def stale(self, silent_s: float, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        return sum(1 for d in self._devices.values() if now - d.last_seen > silent_s)
+
+
+def _rate(d: _Device, now: float) -> float:
+    """Readings per second over the last RATE_WINDOW_S: the open window's
+    count plus the last full window's rate for the part of it still in
+    range (a sliding-window estimate, two numbers per device)."""
+    elapsed = now - d.window_start
+    if elapsed < RATE_WINDOW_S:
+        return (d.window_count + d.rate * (RATE_WINDOW_S - elapsed)) / RATE_WINDOW_S
+    if elapsed < 2 * RATE_WINDOW_S:
+        return d.window_count / elapsed
+    return 0.0
