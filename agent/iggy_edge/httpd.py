@@ -146,6 +146,15 @@ class _AgentCollector:
         for name, text in health.stages.items():
             stages.add_metric([name], 1.0 if text.startswith("failing") else 0.0)
         yield stages
+        bounds = agent.settings.buffer
+        yield GaugeMetricFamily(
+            "iggy_edge_store_limit_bytes", "buffer.max_bytes: the backlog's bound", value=bounds.max_bytes
+        )
+        yield GaugeMetricFamily(
+            "iggy_edge_store_limit_records",
+            "buffer.max_records: the backlog's bound",
+            value=bounds.max_records,
+        )
         yield GaugeMetricFamily(
             "iggy_edge_devices_seen", "Devices heard from (devices.py)", value=len(agent.devices)
         )
