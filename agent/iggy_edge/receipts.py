@@ -105,6 +105,11 @@ class Receipts:
         self._limited = RateLimitedLog(log)
         metrics.registry.register(_Collector(self))
 
+    def reconfigure(self, settings: ReceiptSettings) -> None:
+        """A reload (reload.py) changes only the interval; the rest needs a restart."""
+        self._settings = settings
+        self._interval = settings.min_interval_ms / 1000
+
     # -- what ingest and the forwarder tell us -----------------------------
 
     def observe(self, topic: str, payload: bytes) -> None:

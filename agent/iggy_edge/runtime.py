@@ -42,6 +42,8 @@ from .httpd import http_endpoint
 from .ingest import Ingest
 from .metrics import Metrics
 from .receipts import Receipts
+from .reload import Plan
+from .reload import plan as plan_reload
 from .routing import Router
 from .stages import DeadLetterSink, IngestObserver
 from .store import Outbox, StoreError
@@ -155,11 +157,30 @@ class Agent:
             self.receipts = Receipts(settings.receipts, self.metrics, self._publish_receipt)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
+        # Called with the new settings after a reload (reload.py); a stage
+        # that keeps settings of its own registers here
+        self.reload_hooks: list[Callable[[Settings], None]] = []
         self._supervisor = Supervisor(self._stop, self.metrics)
         self._store_problem: str | None = None  # why the buffer cannot be opened yet
 
     def stop(self) -> None:
         self._stop.set()
+
+    def reload(self, new: Settings) -> Plan:
+        """Take what `new` changes that a running agent can (reload.py) and
+        say what needs a restart; the stages see the new values from their
+        next use on."""
+        result = plan_reload(self.settings, new)
+        if not result.live:
+            return result
+        self.settings = s = result.settings
+        if self.forwarder is not None:
+            self.forwarder.reconfigure(s.forward)
+        if self.receipts is not None:
+            self.receipts.reconfigure(s.receipts)
+        for hook in self.reload_hooks:
+            hook(s)
+        return result
 
     def _publish_receipt(self, topic: str, payload: bytes, retain: bool) -> bool:
         """QoS0 on ingest's session (receipts.py says why); False while
