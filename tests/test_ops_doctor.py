@@ -95,6 +95,10 @@ def test_wrong_and_right_credentials(tmp_path: Path) -> None:
         assert result.exit_code == 0
 
 
+# the disk tests' bound for dead letters (their own bound beside max_bytes)
+DEAD_SMALL = "[buffer]\nmax_dead_letter_bytes = 100000\n"
+
+
 def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
     # 16 MiB: the WAL alone grows to ~4 MB (1000 pages) before SQLite checkpoints it
     with small_tmpfs(tmp_path / "small", "16m") as small:
@@ -102,7 +106,7 @@ def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
         with contextlib.suppress(OSError):
             (small / "filler").write_bytes(b"\0" * (16 * 1024 * 1024))
         config = write_config(
-            tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 104857600\n"
+            tmp_path, port=broker.port, state_dir=small / "state", extra=DEAD_SMALL + "max_bytes=104857600\n"
         )
         code, checks, out = doctor(config)
         assert code == 1
@@ -113,7 +117,7 @@ def test_full_disk_says_what_fits(tmp_path: Path, broker: Broker) -> None:
 
         # With a bound that fits, the same disk passes.
         (small / "filler").unlink()
-        config.write_text(config.read_text().replace("max_bytes = 104857600", "max_bytes = 102400"))
+        config.write_text(config.read_text().replace("max_bytes=104857600", "max_bytes=102400"))
         code, checks, _ = doctor(config)
         assert checks["disk"]["status"] == "ok", checks["disk"]
 
@@ -124,7 +128,7 @@ def test_disk_check_counts_pages_and_the_wal_not_1_3(tmp_path: Path, broker: Bro
     top of a group commit; the old 1.3 factor said 14.3 MB and passed it."""
     with small_tmpfs(tmp_path / "small", "16m") as small:
         config = write_config(
-            tmp_path, port=broker.port, state_dir=small / "state", extra="[buffer]\nmax_bytes = 11000000\n"
+            tmp_path, port=broker.port, state_dir=small / "state", extra=DEAD_SMALL + "max_bytes = 11000000\n"
         )
         code, checks, out = doctor(config)
         assert code == 1
@@ -133,6 +137,26 @@ def test_disk_check_counts_pages_and_the_wal_not_1_3(tmp_path: Path, broker: Bro
         config.write_text(config.read_text().replace("max_bytes = 11000000", "max_bytes = 6000000"))
         code, checks, _ = doctor(config)
         assert checks["disk"]["status"] == "ok", checks["disk"]
+
+
+def test_disk_check_counts_the_dead_letter_bound(tmp_path: Path, broker: Broker) -> None:
+    """Dead letters have their own bound beside max_bytes (issue 18 item 6):
+    a max_bytes that fits alone fails once the dead-letter bound is added."""
+    with small_tmpfs(tmp_path / "small", "16m") as small:
+        config = write_config(
+            tmp_path,
+            port=broker.port,
+            state_dir=small / "state",
+            extra="[buffer]\nmax_bytes = 6000000\nmax_dead_letter_bytes = 100000\n",
+        )
+        _, checks, _ = doctor(config)
+        assert checks["disk"]["status"] == "ok", checks["disk"]
+        config.write_text(
+            config.read_text().replace("max_dead_letter_bytes = 100000", "max_dead_letter_bytes = 20000000")
+        )
+        _, checks, _ = doctor(config)
+        assert checks["disk"]["status"] == "fail", checks["disk"]
+        assert "max_dead_letter_bytes" in checks["disk"]["detail"]
 
 
 def test_clock_before_2024_fails() -> None:

@@ -16,6 +16,7 @@ from iggy_edge.config import BufferSettings
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route, gateway_hash32, make_message_id, split_message_id
 from iggy_edge.store import ROW_OVERHEAD, Incoming, Outbox, device_seq_of
+from iggy_edge.store.devices import water_fill
 
 GW = "gw-store"
 BIG = 1 << 40
@@ -93,17 +94,44 @@ class Model:
                 add -= new.pop().accounted
                 self._drop("buffer_full_rejected", 1)
         else:
-            dropped = 0
-            while self.rows and (
-                len(self.rows) + len(new) > self.s.max_records or self.bytes + add > self.s.max_bytes
-            ):
-                self.rows.pop(0)
-                dropped += 1
-            self._drop("buffer_full_oldest", dropped)
+            # fair: the largest devices give first, each its oldest (store/devices.py)
+            before = len(self.rows) + len(new)
+            over = before - self.s.max_records
+            if over > 0:
+                shares: dict[str, int] = {}
+                for r in self.rows + new:
+                    shares[r.key] = shares.get(r.key, 0) + 1
+                for dev, quota in water_fill(shares, over).items():
+                    mine = [r for r in self.rows if r.key == dev][:quota]
+                    self.rows = [r for r in self.rows if r not in mine]
+                    gone = [r for r in new if r.key == dev][: quota - len(mine)]
+                    new = [r for r in new if r not in gone]
+            over_b = self.bytes + sum(r.accounted for r in new) - self.s.max_bytes
+            if over_b > 0:
+                shares = {}
+                for r in self.rows + new:
+                    shares[r.key] = shares.get(r.key, 0) + r.accounted
+                for dev, quota in water_fill(shares, over_b).items():
+                    in_table = min(quota, sum(r.accounted for r in self.rows if r.key == dev))
+                    got = self._take(self.rows, dev, in_table)
+                    if quota > got:
+                        self._take(new, dev, quota - got)
+            self._drop("buffer_full_oldest", before - len(self.rows) - len(new))
         for r in new:
             r.seq = self.next_seq
             self.next_seq += 1
             self.rows.append(r)
+
+    @staticmethod
+    def _take(rows: list[Row], dev: str, nbytes: int) -> int:
+        """Remove the oldest rows of `dev` from `rows` until `nbytes` are freed."""
+        freed = 0
+        for r in [r for r in rows if r.key == dev]:
+            if freed >= nbytes:
+                break
+            rows.remove(r)
+            freed += r.accounted
+        return freed
 
     def confirm(self, seqs: set[int]) -> None:
         self.rows = [r for r in self.rows if r.seq not in seqs]

@@ -22,14 +22,15 @@ from .store.db import BufferBusy, NoDatabase, StoreError, exclusive, ro_connect,
 from .store.recovery import Event, acknowledge, read_events
 from .store.schema import (
     COUNT_DROP_SQL,
+    DEAD_TOTALS_SQL,
     OUTBOX_TOTALS_SQL,
     ROW_OVERHEAD,
     accounted_bytes,
     add_v1_view,
     device_seq_of,
     migrate,
-    source_id_sync,
 )
+from .store.sources import source_id_sync
 
 __all__ = [
     "BufferBusy",
@@ -71,6 +72,7 @@ class BufferStats:
     dead_letters_by_reason: dict[str, int]
     drops_by_reason: dict[str, int]
     file_bytes: int
+    dead_letter_bytes: int = 0  # accounted (payload + topic + ROW_OVERHEAD), against max_dead_letter_bytes
     recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery.py)
 
     @property
@@ -86,6 +88,7 @@ class BufferStats:
             "newest_seq": self.newest_seq,
             "dead_letters": self.dead_letters,
             "dead_letters_by_reason": self.dead_letters_by_reason,
+            "dead_letter_bytes": self.dead_letter_bytes,
             "drops_by_reason": self.drops_by_reason,
             "file_bytes": self.file_bytes,
             "recovery": [asdict(e) for e in self.recovery],
@@ -121,6 +124,7 @@ def read_stats(path: Path) -> BufferStats:
         newest = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'").fetchone()
         by_reason = dict(conn.execute("SELECT reason, count(*) FROM dead_letters GROUP BY reason").fetchall())
         drops = dict(conn.execute("SELECT reason, count FROM drops").fetchall())
+        dead_count, dead_bytes = conn.execute(DEAD_TOTALS_SQL).fetchone()
         recovery = read_events(conn)
     except sqlite3.DatabaseError as e:
         raise StoreError(f"{path}: {e}") from e
@@ -136,6 +140,7 @@ def read_stats(path: Path) -> BufferStats:
         dead_letters_by_reason={str(k): int(v) for k, v in by_reason.items()},
         drops_by_reason={str(k): int(v) for k, v in drops.items()},
         file_bytes=file_bytes,
+        dead_letter_bytes=int(dead_bytes) + ROW_OVERHEAD * int(dead_count),
         recovery=recovery,
     )
 

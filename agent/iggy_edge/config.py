@@ -291,6 +291,15 @@ class BufferSettings(_Model):
     commit_max_records: Annotated[int, Field(gt=0, le=1_000_000)] = 2000
     max_payload_bytes: Annotated[int, Field(gt=0, le=MAX_PAYLOAD_BYTES)] = 256 * 1024
     max_dead_letters: Annotated[int, Field(gt=0, le=10**9)] = 10_000
+    # Dead letters have their own byte bound, outside max_bytes (docs/config.md):
+    # a flood of bad messages must not evict good readings, nor the reverse.
+    max_dead_letter_bytes: Annotated[int, Field(gt=0, le=2**40)] = 64 * 1024 * 1024
+    # Per-device bounds (the device is a record's partition key, normally the
+    # device level of its topic): distinct MQTT topics a device may have in the
+    # buffer, and devices the buffer tracks at once.  Beyond them a message is a
+    # dead letter (too_many_topics / too_many_devices).
+    max_topics_per_device: Annotated[int, Field(gt=0, le=100_000)] = 32
+    max_devices: Annotated[int, Field(gt=0, le=1_000_000)] = 1000
 
 
 class ForwardSettings(_Model):

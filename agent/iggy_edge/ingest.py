@@ -397,6 +397,9 @@ class Ingest:
                 self._outbox.pending_bytes,
             )
             return None
+        if not isinstance(route, Rejected):
+            assert isinstance(topic, str)  # a bytes topic never routes
+            route = self._outbox.admit(route, topic) or route  # per-device bounds (store/devices.py)
         if isinstance(route, Rejected):
             self._flush_counts()
             done = self._outbox.enqueue_dead_letter(

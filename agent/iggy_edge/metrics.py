@@ -20,7 +20,15 @@ DROP_REASONS: Final = (
     "ttl_expired",
     "qos0_queue_full",
 )
-DEAD_LETTER_REASONS: Final = ("oversize", "unroutable", "invalid_topic", "empty_payload", "invalid_command")
+DEAD_LETTER_REASONS: Final = (
+    "oversize",
+    "unroutable",
+    "invalid_topic",
+    "empty_payload",
+    "too_many_topics",
+    "too_many_devices",
+    "invalid_command",
+)
 FORWARD_ERROR_KINDS: Final = ("unavailable", "ambiguous", "rejected")
 COMMAND_STATES: Final = ("received", "delivered", "acked", "expired", "failed")
 DOWNLINK_ERROR_KINDS: Final = ("poll", "mirror", "deliver", "ack_queue_full")
@@ -88,6 +96,14 @@ class Metrics:
         )
         self.backlog_bytes = Gauge(
             "iggy_edge_store_backlog_bytes", "Accounted bytes in the outbox", registry=r
+        )
+        self.dead_letter_bytes = Gauge(
+            "iggy_edge_store_dead_letter_bytes",
+            "Accounted bytes of the dead letters (bounded by buffer.max_dead_letter_bytes)",
+            registry=r,
+        )
+        self.devices_tracked = Gauge(
+            "iggy_edge_store_devices", "Devices the buffer tracks (bounded by buffer.max_devices)", registry=r
         )
         self.backlog_oldest_age = Gauge(
             "iggy_edge_store_backlog_oldest_age_seconds",

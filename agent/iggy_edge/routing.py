@@ -27,6 +27,8 @@ class DeadLetterReason(StrEnum):
     UNROUTABLE = "unroutable"
     INVALID_TOPIC = "invalid_topic"
     EMPTY_PAYLOAD = "empty_payload"
+    TOO_MANY_TOPICS = "too_many_topics"  # the device's distinct topics (store/devices.py)
+    TOO_MANY_DEVICES = "too_many_devices"  # devices tracked by the buffer (store/devices.py)
 
 
 @dataclass(frozen=True, slots=True)

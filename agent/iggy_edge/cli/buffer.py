@@ -54,7 +54,8 @@ def stats(
     )
     typer.echo(f"oldest record {'-' if age is None else f'{age:.1f}s old'}")
     typer.echo(
-        f"dead letters  {st.dead_letters}"
+        f"dead letters  {st.dead_letters}, {st.dead_letter_bytes / 1e6:.2f} MB accounted "
+        f"(limits {settings.buffer.max_dead_letters}, {settings.buffer.max_dead_letter_bytes / 1e6:.0f} MB)"
         + (
             " (" + ", ".join(f"{k}: {v}" for k, v in sorted(st.dead_letters_by_reason.items())) + ")"
             if st.dead_letters

@@ -168,13 +168,16 @@ def check_disk(settings: Settings) -> Check:
     # a group larger than the whole bound is trimmed to it
     wal = WAL_CHECKPOINT_BYTES + int(min(group * record, settings.buffer.max_bytes) * DISK_FACTOR)
     max_bytes = settings.buffer.max_bytes
-    need = int(max_bytes * factor) + wal - current
+    # dead letters have their own bound beside max_bytes (store/dead.py)
+    dead_bytes = settings.buffer.max_dead_letter_bytes
+    need = int((max_bytes + dead_bytes) * factor) + wal - current
     detail = (
         f"{probe}: {free / 1e6:,.0f} MB free; buffer.max_bytes {max_bytes / 1e6:,.0f} MB "
+        f"+ buffer.max_dead_letter_bytes {dead_bytes / 1e6:,.0f} MB "
         f"needs about {max(need, 0) / 1e6:,.0f} MB more ({measured}; WAL {wal / 1e6:,.0f} MB)"
     )
     if free < max(need, 0):
-        fit = int((free + current - wal) / factor) - ROW_OVERHEAD
+        fit = int((free + current - wal) / factor) - ROW_OVERHEAD - dead_bytes
         return Check(
             "disk",
             "fail",

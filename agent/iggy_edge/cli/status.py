@@ -156,6 +156,8 @@ def figures(snap: Snapshot, prev: Snapshot | None = None) -> dict[str, Any]:
             "committed": int(g("iggy_edge_store_records_committed_total")),
             "backlog_records": int(g("iggy_edge_store_backlog_records")),
             "backlog_bytes": int(g("iggy_edge_store_backlog_bytes")),
+            "dead_letter_bytes": int(g("iggy_edge_store_dead_letter_bytes")),
+            "devices": int(g("iggy_edge_store_devices")),
             "oldest_age_s": round(g("iggy_edge_store_backlog_oldest_age_seconds"), 1),
             "dropped": {k: int(v) for k, v in snap.labelled("iggy_edge_store_dropped_records_total").items()},
             "dead_letters": {
@@ -233,7 +235,10 @@ def render(f: dict[str, Any], source: str) -> Table:
     )
     t.add_row("send errors", _nonzero(fw["errors"]) + f"; ambiguous retries {fw['ambiguous_retries']}")
     t.add_row("dropped", _nonzero(st["dropped"]))
-    t.add_row("dead letters", _nonzero(st["dead_letters"]))
+    t.add_row(
+        "dead letters",
+        _nonzero(st["dead_letters"]) + f"; {st['dead_letter_bytes'] / 1e6:.2f} MB; devices {st['devices']}",
+    )
     t.add_row("commands", _nonzero(dl["commands"]) + f"; inbox {dl['inbox_records']}")
     return t
 

@@ -8,14 +8,18 @@ import logging
 import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import BufferSettings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..records import Route, gateway_hash32
 from .db import Database, StoreError
-from .schema import COUNT_DROP_SQL
+from .schema import COUNT_DROP_SQL, ROW_OVERHEAD
+from .sources import SOURCE_ID_SQL
+
+if TYPE_CHECKING:
+    from .devices import Device
 
 log = logging.getLogger("iggy_edge.store")
 
@@ -55,6 +59,16 @@ class OutboxBase:
         # (stream, topic, key, mqtt topic) for the reader
         self._source_ids: dict[tuple[int, str, str], int] = {}
         self._source_names: dict[int, tuple[str, str, str, str]] = {}
+        # per-device bounds (devices.py): device -> its state, source id -> its
+        # rows, sources forgotten and not yet deleted from the table
+        self._devices: dict[str, Device] = {}
+        self._src_rows: dict[int, int] = {}
+        self._doomed: set[int] = set()
+        self._idle_maybe = False
+        self._row_overhead = ROW_OVERHEAD
+        # dead letters in the table: count and accounted bytes (dead.py)
+        self.dead_count = 0
+        self.dead_bytes = 0
         # Every statement of the running outbox goes through this lock (see
         # db.py): the committer, the forwarder, ingest's dead letters and
         # housekeeping share one connection.
@@ -92,6 +106,7 @@ class OutboxBase:
     def _update_gauges(self) -> None:
         self._metrics.backlog_records.set(self.records)
         self._metrics.backlog_bytes.set(self.bytes)
+        self._metrics.dead_letter_bytes.set(self.dead_bytes)
 
     async def _source_rows(
         self, rows: list[tuple[Any, ...]]
@@ -99,8 +114,8 @@ class OutboxBase:
         """Rows (route_id, pkey, mqtt_topic, flags, received_us, device_seq,
         payload) as outbox rows (source_id, flags, received_us, device_seq,
         payload).  Sources new to the file are created inside the caller's
-        transaction and returned: `_sources_committed` caches them once it
-        committed (a rollback must not leave an id in the cache)."""
+        transaction and returned: `_register_source` (devices.py) caches them
+        once it committed (a rollback must not leave an id in the cache)."""
         known = self._source_ids
         new: dict[tuple[int, str, str], int] = {}
         out = []
@@ -108,21 +123,10 @@ class OutboxBase:
             key = (r[0], r[1], r[2])
             sid = known.get(key) or new.get(key)
             if sid is None:
-                await self._conn.execute(
-                    "INSERT OR IGNORE INTO sources(route_id, pkey, mqtt_topic) VALUES (?, ?, ?)", key
-                )
-                row = await self._db.fetchone(
-                    "SELECT id FROM sources WHERE route_id = ? AND pkey = ? AND mqtt_topic = ?", key
-                )
+                row = await self._db.fetchone(SOURCE_ID_SQL, key)
                 sid = new[key] = int(row[0])
             out.append((sid, r[3], r[4], r[5], r[6]))
         return out, new
-
-    def _sources_committed(self, new: dict[tuple[int, str, str], int]) -> None:
-        for key, sid in new.items():
-            self._source_ids[key] = sid
-            stream, topic = self._route_names[key[0]]
-            self._source_names[sid] = (stream, topic, key[1], key[2])
 
     async def _count_drop(self, reason: str, n: int) -> None:
         """Add `n` to the persistent drop counter (inside the caller's transaction)."""

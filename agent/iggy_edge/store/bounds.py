@@ -1,5 +1,6 @@
 """Bounds and expiry: `max_records` / `max_bytes` with the overflow policy at
-insert time, and `ttl_s`.  Every drop is counted by reason (metrics and the
+insert time (`drop_oldest` takes from the largest devices first: devices.py),
+and `ttl_s`.  Every drop is counted by reason (metrics and the
 `drops` table) and logged, rate-limited."""
 
 from __future__ import annotations
@@ -9,12 +10,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .base import OutboxBase
+from .devices import Device, DeviceBounds, water_fill
 from .schema import ROW_OVERHEAD, accounted_bytes
 
 log = logging.getLogger(__name__)
 
 EXPIRE_CHUNK = 5000
+_ARMS = 100  # sources per statement when looking for a device's oldest rows (SQLite allows 500)
+_OLDEST_ARM = (
+    "SELECT * FROM (SELECT seq, source_id, length(payload) FROM outbox"
+    " WHERE source_id = ? AND seq > ? ORDER BY seq LIMIT ?)"
+)
 
 
 @dataclass(slots=True)
@@ -29,7 +35,7 @@ class _Fit:
     over_bytes: int
 
 
-class Bounds(OutboxBase):
+class Bounds(DeviceBounds):
     def _fit(self, rows: list[tuple[Any, ...]], add_bytes: int) -> _Fit:
         s = self._settings
         rejected = trimmed = 0
@@ -50,18 +56,111 @@ class Bounds(OutboxBase):
         return _Fit(rows, add_bytes, trimmed, rejected, over_records, over_bytes)
 
     async def _make_room(self, fit: _Fit) -> tuple[int, int]:
-        """Inside the insert's transaction: drop the oldest rows the policy
-        asks for and count the drops.  Returns (records, bytes) freed."""
+        """Inside the insert's transaction: drop what the policy asks for and
+        count the drops.  Returns (records, bytes) freed in the table; rows
+        of the group itself that go are removed from `fit` (`trimmed`)."""
         freed_records = freed_bytes = 0
         if self._settings.overflow == "drop_oldest" and (fit.over_records > 0 or fit.over_bytes > 0):
-            freed_records, freed_bytes = await self._drop_oldest(
-                max(fit.over_records, 0), max(fit.over_bytes, 0)
-            )
+            freed_records, freed_bytes = await self._drop_fair(fit)
         if fit.rejected:
             await self._count_drop("buffer_full_rejected", fit.rejected)
         if freed_records + fit.trimmed:
             await self._count_drop("buffer_full_oldest", freed_records + fit.trimmed)
         return freed_records, freed_bytes
+
+    async def _drop_fair(self, fit: _Fit) -> tuple[int, int]:
+        """drop_oldest, fairly (devices.py): the devices with the largest
+        share (committed rows plus their rows in this group) give, down to a
+        common level, each its own oldest rows first (the table's, then the
+        group's).  First by records, then by bytes."""
+        group_r: dict[str, int] = {}
+        group_b: dict[str, int] = {}
+        for r in fit.rows:
+            group_r[r[1]] = group_r.get(r[1], 0) + 1
+            group_b[r[1]] = group_b.get(r[1], 0) + accounted_bytes(len(r[6]), r[2])
+        devices = self._devices
+        freed_r = freed_b = 0
+        if fit.over_records > 0:
+            shares = {k: d.records for k, d in devices.items() if d.records}
+            for k, n in group_r.items():
+                shares[k] = shares.get(k, 0) + n
+            for key, quota in water_fill(shares, fit.over_records).items():
+                d = devices.get(key)
+                in_table = min(quota, d.records) if d is not None else 0
+                if in_table:
+                    got_r, got_b = await self._drop_device_oldest(d, in_table, 0)  # type: ignore[arg-type]
+                    freed_r, freed_b = freed_r + got_r, freed_b + got_b
+                if quota > in_table:
+                    self._trim_group(fit, key, records=quota - in_table, nbytes=0)
+        over_bytes = self.bytes - freed_b + fit.add_bytes - self._settings.max_bytes
+        if over_bytes > 0:
+            shares = {k: d.bytes for k, d in devices.items() if d.bytes}
+            for r in fit.rows:
+                shares[r[1]] = shares.get(r[1], 0) + accounted_bytes(len(r[6]), r[2])
+            for key, quota in water_fill(shares, over_bytes).items():
+                d = devices.get(key)
+                in_table = min(quota, d.bytes) if d is not None else 0
+                got = 0
+                if in_table:
+                    got_r, got = await self._drop_device_oldest(d, 0, in_table)  # type: ignore[arg-type]
+                    freed_r, freed_b = freed_r + got_r, freed_b + got
+                if quota > got:
+                    self._trim_group(fit, key, records=0, nbytes=quota - got)
+        return freed_r, freed_b
+
+    @staticmethod
+    def _trim_group(fit: _Fit, key: str, *, records: int, nbytes: int) -> None:
+        """Remove the oldest rows of device `key` from the group until
+        `records` rows and `nbytes` accounted bytes are gone."""
+        kept = []
+        n = b = 0
+        for r in fit.rows:
+            if r[1] == key and (n < records or b < nbytes):
+                n += 1
+                size = accounted_bytes(len(r[6]), r[2])
+                b += size
+                fit.add_bytes -= size
+                fit.trimmed += 1
+            else:
+                kept.append(r)
+        fit.rows[:] = kept
+
+    async def _drop_device_oldest(self, d: Device, records: int, nbytes: int) -> tuple[int, int]:
+        """Delete the oldest rows of device `d` (all its sources, merged in
+        seq order) until `records` rows and `nbytes` accounted bytes are
+        freed, no more (inside the caller's transaction)."""
+        sids = [sid for sid in d.sids if self._src_rows.get(sid)]
+        names = self._source_names
+        freed_r = freed_b = 0
+        after = 0
+        while sids and (freed_r < records or freed_b < nbytes):
+            n = max(records - freed_r, 64)
+            oldest: list[tuple[int, int, int]] = []
+            for i in range(0, len(sids), _ARMS):
+                part = sids[i : i + _ARMS]
+                sql = " UNION ALL ".join([_OLDEST_ARM] * len(part)) + " ORDER BY 1 LIMIT ?"
+                params: list[int] = []
+                for sid in part:
+                    params += (sid, after, n)
+                async with self._conn.execute(sql, (*params, n)) as cur:
+                    oldest += [(int(a), int(b), int(c)) for a, b, c in await cur.fetchall()]
+            if not oldest:
+                break
+            oldest.sort()
+            last: dict[int, int] = {}
+            for seq, sid, size in oldest[:n]:
+                acc = size + len(names[sid][3]) + ROW_OVERHEAD
+                freed_r += 1
+                freed_b += acc
+                last[sid] = seq
+                after = seq
+                self._row_gone(sid, acc)
+                if freed_r >= records and freed_b >= nbytes:
+                    break
+            await self._conn.executemany(
+                "DELETE FROM outbox WHERE source_id = ? AND seq <= ?", list(last.items())
+            )
+        return freed_r, freed_b
 
     def _report_drops(self, fit: _Fit, freed_records: int) -> None:
         """After the commit: metrics and rate-limited log lines."""
@@ -84,30 +183,6 @@ class Bounds(OutboxBase):
                 fit.rejected,
             )
 
-    async def _drop_oldest(self, records: int, nbytes: int) -> tuple[int, int]:
-        """Delete the oldest rows until `records` rows and `nbytes` accounted
-        bytes are freed (inside the caller's transaction)."""
-        freed_r = freed_b = 0
-        while freed_r < records or freed_b < nbytes:
-            # Look at the oldest rows in chunks, delete exactly the prefix that
-            # frees enough (no more: every extra row would be data lost for nothing).
-            async with self._conn.execute(
-                "SELECT seq, length(payload) + length(mqtt_topic) FROM outbox_rows ORDER BY seq LIMIT ?",
-                (max(records - freed_r, 64),),
-            ) as cur:
-                oldest = list(await cur.fetchall())
-            if not oldest:
-                break
-            last = oldest[-1][0]
-            for seq, size in oldest:
-                freed_r += 1
-                freed_b += int(size) + ROW_OVERHEAD
-                if freed_r >= records and freed_b >= nbytes:
-                    last = seq
-                    break
-            await self._conn.execute("DELETE FROM outbox WHERE seq <= ?", (last,))
-        return freed_r, freed_b
-
     async def expire(self, now_us: int | None = None) -> int:
         """Delete records older than ttl_s (oldest first); counted as dropped."""
         ttl = self._settings.ttl_s
@@ -123,6 +198,8 @@ class Bounds(OutboxBase):
             total += len(sizes)
             self.records -= len(sizes)
             self.bytes -= sum(int(x[0]) for x in sizes) + ROW_OVERHEAD * len(sizes)
+            for size, sid in sizes:
+                self._row_gone(int(sid), int(size) + ROW_OVERHEAD)
         if total:
             self._metrics.dropped.labels("ttl_expired").inc(total)
             log.warning("expired %d outbox records older than ttl_s=%d", total, ttl)
@@ -133,7 +210,8 @@ class Bounds(OutboxBase):
         async with self._conn.execute(
             "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE received_us < ?"
             " ORDER BY seq LIMIT ?)"
-            " RETURNING length(payload) + (SELECT length(mqtt_topic) FROM sources WHERE id = source_id)",
+            " RETURNING length(payload) + (SELECT length(mqtt_topic) FROM sources WHERE id = source_id),"
+            " source_id",
             (cutoff, EXPIRE_CHUNK),
         ) as cur:
             sizes = list(await cur.fetchall())

@@ -69,6 +69,7 @@ class GroupCommit(DeadLetters, Bounds):
         if group.done is None:
             group.done = asyncio.get_running_loop().create_future()
         group.items.append(item)
+        self._reserve(item.route.key, item.mqtt_topic)
         n = len(item.payload)
         group.nbytes += n
         self._pending_bytes += n
@@ -128,6 +129,7 @@ class GroupCommit(DeadLetters, Bounds):
             async with self._lock:
                 await self._insert(group.items)
         except (sqlite3.Error, OSError) as e:
+            self._settle([(it.route.key, it.mqtt_topic) for it in group.items])
             self._release(group.nbytes)
             self._metrics.store_errors.inc()
             err = StoreError(f"commit failed: {e}")
@@ -136,6 +138,7 @@ class GroupCommit(DeadLetters, Bounds):
                 done.set_exception(err)
                 done.exception()  # mark retrieved: each waiter re-raises it
             return
+        self._settle([(it.route.key, it.mqtt_topic) for it in group.items])
         self._release(group.nbytes)
         self._metrics.store_commit_seconds.observe(time.perf_counter() - started)
         if done is not None and not done.done():
@@ -183,8 +186,10 @@ class GroupCommit(DeadLetters, Bounds):
         await self._db.synchronous(self._sync_insert)
         recent: list[tuple[str, int, int, int]] = []
         new_sources: dict[tuple[int, str, str], int] = {}
+        outbox_rows: list[tuple[Any, ...]] = []
         async with self._db.transaction():
             freed_records, freed_bytes = await self._make_room(fit)
+            await self._delete_doomed()
             if rows:
                 outbox_rows, new_sources = await self._source_rows(rows)
                 await self._insert_rows(
@@ -199,7 +204,10 @@ class GroupCommit(DeadLetters, Bounds):
                 ]
                 if recent:
                     await self._remember(recent, len(rows))
-        self._sources_committed(new_sources)
+        self._doomed.clear()
+        for key, sid in new_sources.items():
+            self._register_source(sid, key)
+        self._rows_added(rows, [r[0] for r in outbox_rows])
         for topic, dseq, crc, _ in recent:
             self._recent[recent_key(topic, dseq, crc)] = None
         while len(self._recent) > RECENT_WINDOW:

@@ -1,5 +1,10 @@
 """Dead letters: messages that cannot be routed, kept with their reason and
-bounded by count (oldest first), written in groups.
+bounded by count (`max_dead_letters`) and by accounted bytes
+(`max_dead_letter_bytes`: payload + topic + ROW_OVERHEAD, its own bound
+beside `max_bytes`), oldest first, written in groups.  An oversize payload
+can never be replayed, so its letter keeps only its first
+OVERSIZE_KEPT_BYTES, with the full length (`payload_size`) and its SHA-256
+in `detail`; other letters keep up to max_payload_bytes (replayable).
 
 API (ingest's side)
 -------------------
@@ -22,6 +27,7 @@ by bytes as well as by count.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import sqlite3
 import time
@@ -29,11 +35,13 @@ from typing import Any, Final
 
 from .base import OutboxBase, _DeadGroup
 from .db import StoreError
+from .schema import ROW_OVERHEAD
 
 log = logging.getLogger(__name__)
 
 DEAD_GROUP_MAX: Final = 1000
 DEAD_GROUP_MAX_BYTES: Final = 4 * 1024 * 1024
+OVERSIZE_KEPT_BYTES: Final = 1024  # of an oversize payload, the prefix a dead letter keeps
 
 
 class DeadLetters(OutboxBase):
@@ -59,6 +67,12 @@ class DeadLetters(OutboxBase):
             return fut
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         kept = payload[: self._settings.max_payload_bytes]
+        if reason == "oversize" and len(payload) > OVERSIZE_KEPT_BYTES:
+            # Never replayable (longer than max_payload_bytes): a prefix to look
+            # at, with the full length (payload_size) and a hash to match it.
+            kept = payload[:OVERSIZE_KEPT_BYTES]
+            digest = hashlib.sha256(payload).hexdigest()
+            detail = f"{detail}; kept the first {len(kept)} bytes, sha256 {digest}"
         row = (
             received_us or time.time_ns() // 1000,
             topic_b[:1024],
@@ -118,6 +132,29 @@ class DeadLetters(OutboxBase):
             group = self._dead_groups.popleft()
             await self._commit_dead_group(group)
 
+    async def _trim_dead(self, count: int, nbytes: int) -> tuple[int, int]:
+        """Inside the transaction: delete the oldest letters until both
+        `max_dead_letters` and `max_dead_letter_bytes` hold; the totals left."""
+        s = self._settings
+        while count > s.max_dead_letters or nbytes > s.max_dead_letter_bytes:
+            need = max(count - s.max_dead_letters, 1)
+            async with self._conn.execute(
+                "SELECT id, length(payload) + length(mqtt_topic) FROM dead_letters ORDER BY id LIMIT ?",
+                (max(need, 64),),
+            ) as cur:
+                oldest = list(await cur.fetchall())
+            if not oldest:
+                break
+            last = oldest[-1][0]
+            for dl_id, size in oldest:
+                count -= 1
+                nbytes -= int(size) + ROW_OVERHEAD
+                last = dl_id
+                if count <= s.max_dead_letters and nbytes <= s.max_dead_letter_bytes:
+                    break
+            await self._conn.execute("DELETE FROM dead_letters WHERE id <= ?", (last,))
+        return count, nbytes
+
     async def _commit_dead_group(self, group: _DeadGroup) -> None:
         try:
             async with self._lock:
@@ -128,9 +165,9 @@ class DeadLetters(OutboxBase):
                         " payload, payload_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         group.rows,
                     )
-                    await conn.execute(
-                        "DELETE FROM dead_letters WHERE id <= (SELECT max(id) FROM dead_letters) - ?",
-                        (self._settings.max_dead_letters,),
+                    added = sum(len(r[1]) + len(r[6]) for r in group.rows) + ROW_OVERHEAD * len(group.rows)
+                    count, nbytes = await self._trim_dead(
+                        self.dead_count + len(group.rows), self.dead_bytes + added
                     )
         except (sqlite3.Error, OSError) as e:
             self._metrics.store_errors.inc()
@@ -141,6 +178,8 @@ class DeadLetters(OutboxBase):
                 group.done.exception()  # mark retrieved: each waiter re-raises it
             return
         self._release(group.nbytes)
+        self.dead_count, self.dead_bytes = count, nbytes
+        self._metrics.dead_letter_bytes.set(nbytes)
         by_reason: dict[str, list[tuple[Any, ...]]] = {}
         for row in group.rows:
             by_reason.setdefault(row[4], []).append(row)

@@ -21,7 +21,15 @@ from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
 from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
-from .schema import OUTBOX_LOAD_SQL, RECENT_WINDOW, ROW_OVERHEAD, open_database, recover, reopen
+from .schema import (
+    DEAD_TOTALS_SQL,
+    OUTBOX_LOAD_SQL,
+    RECENT_WINDOW,
+    ROW_OVERHEAD,
+    open_database,
+    recover,
+    reopen,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +122,9 @@ class Outbox(GroupCommit, ReadConfirm):
         for rid, stream, topic in await self._db.fetchall("SELECT id, stream, topic FROM routes"):
             self._route_ids[(stream, topic)] = rid
             self._route_names[rid] = (stream, topic)
-        sources = await self._db.fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
-        self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in sources})
+        await self._load_devices()
+        dead = await self._db.fetchone(DEAD_TOTALS_SQL)
+        self.dead_count, self.dead_bytes = int(dead[0]), int(dead[1]) + ROW_OVERHEAD * int(dead[0])
         row = await self._db.fetchone(OUTBOX_LOAD_SQL)
         assert row is not None
         self.records = int(row[0])

@@ -17,7 +17,7 @@ from ..records import (
     OutboundRecord,
 )
 from ..timeouts import wait_for
-from .base import OutboxBase
+from .devices import DeviceBounds
 from .schema import ROW_OVERHEAD
 
 _QOS: Final = ("0", "1", "2", "3")
@@ -47,6 +47,7 @@ _READ_BATCH: Final = (
     " ORDER BY seq"
 )
 SOURCES_KEPT: Final = 10_000  # sources cached before an empty outbox forgets them
+_CONFIRM_SQL: Final = "DELETE FROM outbox WHERE seq BETWEEN ? AND ? RETURNING source_id, length(payload)"
 
 
 def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
@@ -69,7 +70,7 @@ def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-class ReadConfirm(OutboxBase):
+class ReadConfirm(DeviceBounds):
     async def wait_for_data(self, timeout: float | None = None) -> bool:
         if self.records > 0:
             return True
@@ -148,24 +149,26 @@ class ReadConfirm(OutboxBase):
             return 0
         ranges = seq_ranges([r.seq for r in gone])
         await self._db.synchronous("NORMAL")
-        deleted_before = self._conn.total_changes
+        # RETURNING: exactly the rows deleted (not those drop_oldest took while
+        # they were in flight), for the per-device accounting (devices.py).
         if len(ranges) == 1:
             # One statement is its own transaction (autocommit): one round trip
             # to the SQLite thread instead of BEGIN / DELETE / COMMIT.
-            await self._conn.execute_fetchall("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", ranges[0])
+            gone_rows = list(await self._conn.execute_fetchall(_CONFIRM_SQL, ranges[0]))
         else:
+            gone_rows = []
             async with self._db.transaction():
-                await self._conn.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", ranges)
-        deleted = self._conn.total_changes - deleted_before
-        # Rows dropped by drop_oldest while in flight were already accounted.
+                for rng in ranges:
+                    gone_rows += await self._conn.execute_fetchall(_CONFIRM_SQL, rng)
+        deleted = len(gone_rows)
         if deleted:
-            freed = (
-                sum([len(r.payload) for r in gone])
-                + sum([len(r.headers[HEADER_MQTT_TOPIC]) for r in gone])
-                + ROW_OVERHEAD * len(gone)
-            )
-            if deleted != len(gone):
-                freed = freed * deleted // len(gone)
+            names = self._source_names
+            row_gone = self._row_gone
+            freed = 0
+            for sid, size in gone_rows:
+                acc = size + len(names[sid][3]) + ROW_OVERHEAD
+                freed += acc
+                row_gone(sid, acc)
             self.records -= deleted
             self.bytes -= freed
         if self.records == 0 and self._pending_bytes == 0:
@@ -176,16 +179,13 @@ class ReadConfirm(OutboxBase):
         return deleted
 
     async def _forget_sources(self) -> None:
-        """Sources no row refers to any more (the outbox just emptied), so a
-        stream of ever new MQTT topics cannot grow the table and its cache
-        without bound (lock held)."""
-        await self._conn.execute(
-            "DELETE FROM sources WHERE NOT EXISTS (SELECT 1 FROM outbox WHERE source_id = sources.id)"
-        )
-        kept = await self._conn.execute_fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
-        self._source_ids.clear()
-        self._source_names.clear()
-        self._sources_committed({(int(rid), str(k), str(t)): int(sid) for sid, rid, k, t in kept})
+        """The outbox just emptied: forget the devices with nothing pending
+        and delete their sources, so a stream of ever new MQTT topics does
+        not keep its sources until a bound needs the room (lock held)."""
+        self._idle_maybe = True
+        self._forget_idle_devices()
+        await self._delete_doomed()
+        self._doomed.clear()
 
     async def oldest_received_us(self) -> int | None:
         rows = await self._db.fetchall("SELECT received_us FROM outbox ORDER BY seq LIMIT 1")

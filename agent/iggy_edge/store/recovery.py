@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .db import StoreError, sync_transaction
+from .sources import source_id_sync
 
 log = logging.getLogger(__name__)
 
@@ -302,11 +303,7 @@ def _write_outbox(
         key = (r[1], r[2], r[3])
         sid = sources.get(key)
         if sid is None:
-            dst.execute("INSERT OR IGNORE INTO sources(route_id, pkey, mqtt_topic) VALUES (?, ?, ?)", key)
-            (sid,) = dst.execute(
-                "SELECT id FROM sources WHERE route_id = ? AND pkey = ? AND mqtt_topic = ?", key
-            ).fetchone()
-            sources[key] = sid = int(sid)
+            sources[key] = sid = source_id_sync(dst, *key)
         return sid
 
     def flush() -> tuple[int, int]:

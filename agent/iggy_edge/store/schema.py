@@ -82,6 +82,10 @@ CREATE TABLE IF NOT EXISTS routes (
 {SOURCES_TABLE};
 {OUTBOX_TABLE};
 {OUTBOX_ROWS_VIEW};
+-- A device's oldest rows (fair drop_oldest, store/bounds.py) and a source's
+-- orphan check (store/sources.py) without a scan.  Not a schema change: an
+-- older agent opens a file with it as before.
+CREATE INDEX IF NOT EXISTS outbox_by_source ON outbox(source_id);
 CREATE TABLE IF NOT EXISTS dead_letters (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     received_us INTEGER NOT NULL,
@@ -114,6 +118,10 @@ OUTBOX_LOAD_SQL: Final = (
     "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0),"
     " coalesce(max(length(payload)), 0) FROM outbox_rows"
 )
+# Dead letters: count and accounted bytes without ROW_OVERHEAD (dead.py).
+DEAD_TOTALS_SQL: Final = (
+    "SELECT count(*), coalesce(sum(length(payload) + length(mqtt_topic)), 0) FROM dead_letters"
+)
 COUNT_DROP_SQL: Final = (
     "INSERT INTO drops(reason, count) VALUES (?, ?)"
     " ON CONFLICT(reason) DO UPDATE SET count = count + excluded.count"
@@ -131,16 +139,6 @@ def device_seq_of(payload: bytes) -> int | None:
 def accounted_bytes(payload_len: int, topic: str) -> int:
     """Bytes a row counts against `max_bytes`."""
     return payload_len + len(topic) + ROW_OVERHEAD
-
-
-def source_id_sync(conn: sqlite3.Connection, route_id: int, pkey: str, mqtt_topic: str) -> int:
-    """The id of a source on a blocking connection (created when new)."""
-    key = (route_id, pkey, mqtt_topic)
-    conn.execute("INSERT OR IGNORE INTO sources(route_id, pkey, mqtt_topic) VALUES (?, ?, ?)", key)
-    (sid,) = conn.execute(
-        "SELECT id FROM sources WHERE route_id = ? AND pkey = ? AND mqtt_topic = ?", key
-    ).fetchone()
-    return int(sid)
 
 
 def file_version(conn: sqlite3.Connection) -> int:
