@@ -118,11 +118,11 @@ class Forwarder:
         self._undeleted: set[int] = set()
         self._run: _Run | None = None
         self.up = asyncio.Event()
+        self.down_since: float | None = None
 
     def reconfigure(self, settings: ForwardSettings) -> None:
         """New batching and backoff (a reload, reload.py): from the next batch on."""
         self._settings = settings
-        self.down_since: float | None = None
 
     def stop(self) -> None:
         """Finish the requests in flight, then return from run()."""
