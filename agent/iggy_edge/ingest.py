@@ -159,6 +159,10 @@ class Ingest:
         hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
         heap.fix_mmap_threshold()  # large payloads give their memory back (heap.py)
 
+    def use_router(self, router: Router) -> None:
+        """Route from the next message on with `router` (a reload of the routes)."""
+        self._router = router
+
     # -- session --------------------------------------------------------
 
     def _make_client(self) -> gmqtt.Client:

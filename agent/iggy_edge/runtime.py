@@ -174,6 +174,12 @@ class Agent:
         if not result.live:
             return result
         self.settings = s = result.settings
+        if any(c.key in ("routes", "buffer.max_payload_bytes") for c in result.live):
+            self.router = Router(s.routes, s.buffer.max_payload_bytes)
+            if self.ingest is not None:
+                self.ingest.use_router(self.router)
+        if self.outbox is not None:
+            self.outbox.reconfigure(s.buffer)
         if self.forwarder is not None:
             self.forwarder.reconfigure(s.forward)
         if self.receipts is not None:

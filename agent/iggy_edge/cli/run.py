@@ -6,8 +6,10 @@ import asyncio
 import logging
 import platform
 import signal
+from pathlib import Path
 
 from .. import __version__
+from ..config import ConfigError, load_config
 from ..logs import install_loop_exception_handler, setup_logging
 from ..runtime import Agent, build_agent
 from ..store import StoreError
@@ -16,16 +18,43 @@ from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 log = logging.getLogger("iggy_edge")
 
 
-async def run_agent(agent: Agent) -> None:
-    """Run `agent` until SIGTERM / SIGINT (which stop it in order)."""
+def reload_config(agent: Agent, path: Path) -> None:
+    """SIGHUP: read `path` again and take what a running agent can
+    (reload.py); a file that does not validate changes nothing."""
+    try:
+        new = load_config(path)
+    except ConfigError as e:
+        log.error("reload refused, running on the previous configuration: %s", e)
+        return
+    result = agent.reload(new)
+    if not result.changed:
+        log.info("reload: %s has no changes", path)
+        return
+    if result.live:
+        logging.getLogger().setLevel(agent.settings.logging.level)
+        log.warning("reload: applied %s", "; ".join(map(str, result.live)))
+    if result.restart:
+        log.warning(
+            "reload: these need a restart and were NOT applied (systemctl restart iggy-edge): %s",
+            "; ".join(map(str, result.restart)),
+        )
+
+
+async def run_agent(agent: Agent, config: Path | None = None) -> None:
+    """Run `agent` until SIGTERM / SIGINT (which stop it in order); SIGHUP
+    reloads `config` when given."""
     loop = asyncio.get_running_loop()
     install_loop_exception_handler(loop)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = [signal.SIGTERM, signal.SIGINT]
+    for sig in signals:
         loop.add_signal_handler(sig, agent.stop)
+    if config is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_config, agent, config)
+        signals.append(signal.SIGHUP)
     try:
         await agent.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
 
 
@@ -43,7 +72,7 @@ def run(config: ConfigOption = DEFAULT_CONFIG) -> None:
         platform.python_version(),
     )
     try:
-        asyncio.run(run_agent(build_agent(settings)))
+        asyncio.run(run_agent(build_agent(settings), config))
     except StoreError as e:  # the buffer cannot be opened and waiting will not fix it
         log.error("cannot start: %s", e)
         raise fail(f"cannot start: {e}") from None

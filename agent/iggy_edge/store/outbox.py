@@ -155,6 +155,12 @@ class Outbox(GroupCommit, ReadConfirm):
     async def _recovery_events(self) -> list[Event]:
         return events_from_json(await self._meta("recovery"))
 
+    def reconfigure(self, settings: BufferSettings) -> None:
+        """New bounds, TTL and dead-letter limits (a reload, reload.py): the
+        next commit enforces them; the file, its synchronous level and the
+        commit cadence need a restart and are not in a reload's changes."""
+        self._settings = settings
+
     @property
     def attention(self) -> str:
         """What an operator must look at ("" when nothing): recovery events
