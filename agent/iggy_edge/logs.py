@@ -261,3 +261,5 @@ def setup_logging(
     root.setLevel(level)
     # gmqtt logs every (re)connection attempt at INFO/WARNING; ours say it once.
     logging.getLogger("gmqtt").setLevel(logging.ERROR)
+    # aiosqlite logs every statement at DEBUG: our DEBUG is about the agent
+    logging.getLogger("aiosqlite").setLevel(logging.INFO)
