@@ -5,6 +5,7 @@ password file, and the Iggy password in clear."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -21,8 +22,11 @@ from iggy_edge.cli.doctor_trust import (
     listening_sockets,
 )
 from iggy_edge.cli.doctor_types import Check
+from iggy_edge.cli.main import app
 from iggy_edge.config import Settings, parse_config
+from typer.testing import CliRunner
 
+from tests.support.broker import Broker
 from tests.support.gateway_broker import AGENT_USER, GatewayBroker, add_user
 from tests.support.ports import free_port, wait_port
 from tests.support.wait import wait_until
@@ -330,3 +334,25 @@ def test_doctor_warns_when_the_iggy_password_goes_in_clear_to_another_host() -> 
     assert "to iggy-2.example.net:8090" in cluster.detail
     assert "127.0.0.1" not in cluster.detail
     assert check_iggy_transport(settings_for(1883)) is None  # kind = none: nothing sent
+
+
+def test_doctor_command_reports_the_listener_and_device_users(tmp_path: Path, broker: Broker) -> None:
+    """Through `iggy-edge doctor`: the test broker (a Mosquitto on an
+    unprivileged port) is flagged, with the fix; the exit status stays 0 (a
+    warning)."""
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'gateway_id = "gw-doc"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "127.0.0.1"\nport = {broker.port}\n[metrics]\nlisten = "127.0.0.1:{free_port()}"\n'
+    )
+    argv = ["doctor", "-c", str(config), "--env-file", str(tmp_path / "no-env")]
+    argv += ["--mosquitto-conf", str(broker.workdir / "mosquitto.conf")]
+    done = CliRunner().invoke(app, [*argv, "--json"])
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    assert checks["broker-listener"]["status"] == "warn", checks["broker-listener"]
+    assert f"port {broker.port} is not privileged" in checks["broker-listener"]["detail"]
+    assert checks["device-users"]["status"] == "ok"  # no password files in the test broker's config
+    text = CliRunner().invoke(app, argv)
+    assert "! broker-listener:" in text.stdout
+    assert "fix: use the packaged agent listener: 'listener 883 127.0.0.1'" in text.stdout
+    assert done.exit_code == text.exit_code == 0
