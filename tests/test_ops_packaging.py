@@ -198,6 +198,7 @@ def test_mosquitto_snippet_is_accepted_and_refuses_anonymous() -> None:
         assert "Error" not in gw.log(), gw.log()
     text = SNIPPET.read_text()
     assert "acl_file /etc/mosquitto/iggy-edge.acl" in text
+    assert "acl_file /etc/mosquitto/iggy-edge-agent.acl" in text
     assert "use_username_as_clientid true" in text
     assert "per_listener_settings true" in text
     acl = ACL.read_text()
@@ -228,9 +229,11 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
     files = deb_files(deb)
     for wanted in (
         "./lib/systemd/system/iggy-edge.service",
+        "./lib/systemd/system/mosquitto.service.d/iggy-edge.conf",
         "./etc/iggy-edge/config.toml",
         "./etc/mosquitto/conf.d/iggy-edge.conf",
         "./etc/mosquitto/iggy-edge.acl",
+        "./etc/mosquitto/iggy-edge-agent.acl",
         f"./opt/iggy-edge/wheels/iggy_edge-{VERSION}-py3-none-any.whl",
         "./usr/share/doc/iggy-edge/operations.md",
         "./usr/share/iggy-edge/device/iggy_device/node.py",
@@ -245,7 +248,9 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
         "/etc/iggy-edge/config.toml",
         "/etc/mosquitto/conf.d/iggy-edge.conf",
         "/etc/mosquitto/iggy-edge.acl",
+        "/etc/mosquitto/iggy-edge-agent.acl",
     ]
+    assert control_file(deb, "triggers", tmp_path).split() == ["interest-noawait", "/usr/sbin/mosquitto"]
     postinst = control_file(deb, "postinst", tmp_path)
     assert "adduser --system" in postinst
     assert "--no-index --find-links" in postinst
@@ -363,8 +368,10 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             "/etc/mosquitto/iggy-edge.passwd",
             "/etc/mosquitto/iggy-edge-devices.passwd",
             "/etc/mosquitto/iggy-edge.acl",
+            "/etc/mosquitto/iggy-edge-agent.acl",
             "/etc/mosquitto/conf.d/iggy-edge.conf",
             "/lib/systemd/system/iggy-edge.service",
+            "/lib/systemd/system/mosquitto.service.d/iggy-edge.conf",
             "/etc/systemd/system/multi-user.target.wants/iggy-edge.service",
         ):
             assert not Path(path).exists(), path
@@ -395,7 +402,7 @@ def _generated_credentials_work(secret: str) -> None:
         # the devices' listener moved to a free port
         conf.write_text(
             f"persistence true\npersistence_location {workdir}/\n"
-            + snippet.replace("listener 1884 127.0.0.1", f"listener {port} 127.0.0.1").replace(
+            + snippet.replace("listener 883 127.0.0.1", f"listener {port} 127.0.0.1").replace(
                 "listener 1883\n", f"listener {free_port()} 127.0.0.1\n"
             )
         )
@@ -426,3 +433,49 @@ def _generated_credentials_work(secret: str) -> None:
             proc.wait(10)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+POSTINST = REPO / "packaging" / "deb" / "postinst"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_postinst_password_files_before_and_after_mosquitto_exists(tmp_path: Path) -> None:
+    """dpkg may configure iggy-edge before mosquitto (only Recommended): no
+    mosquitto group yet.  The password files stay root's alone (never 0644),
+    and mosquitto's arrival (the trigger on /usr/sbin/mosquitto) hands them
+    to its group.  Run in a private mount namespace: /etc/mosquitto an empty
+    tmpfs (the service's env file there too), /etc/group without mosquitto."""
+    if not _has_group("mosquitto"):
+        pytest.skip("no mosquitto group on this machine")
+    no_group = tmp_path / "group"
+    no_group.write_text(
+        "".join(x for x in Path("/etc/group").read_text().splitlines(True) if not x.startswith("mosquitto:"))
+    )
+    stat = "stat -c '%n %a %U %G' /etc/mosquitto/iggy-edge.passwd /etc/mosquitto/iggy-edge-devices.passwd"
+    script = f"""set -e
+mount -t tmpfs tmpfs /etc/mosquitto
+mount --bind {no_group} /etc/group
+(IGGY_EDGE_POSTINST_STEPS=1; . {POSTINST}; ENVFILE=/etc/mosquitto/env; mqtt_credentials; device_credentials)
+echo before; {stat}
+umount /etc/group
+sh {POSTINST} triggered /usr/sbin/mosquitto
+echo after; {stat}
+"""
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    before, after = done.stdout.split("after\n")
+    lines = [x for x in before.splitlines() if x.startswith("/etc/")]
+    assert lines == [
+        "/etc/mosquitto/iggy-edge.passwd 600 root root",
+        "/etc/mosquitto/iggy-edge-devices.passwd 600 root root",
+    ], done.stdout + done.stderr
+    assert after.splitlines() == [
+        "/etc/mosquitto/iggy-edge.passwd 640 root mosquitto",
+        "/etc/mosquitto/iggy-edge-devices.passwd 640 root mosquitto",
+    ], done.stdout

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,18 +44,26 @@ class CaError(Exception):
 
 
 def _write(path: Path, data: bytes, mode: int, gid: int | None = None) -> None:
+    """Replace `path` atomically with `data`.  The temp file beside it gets
+    a fresh random name, created with O_EXCL | O_NOFOLLOW (mkstemp): a file
+    or symlink planted at a predictable name (these directories may be
+    reachable by others) is never opened, followed or truncated; mode and
+    owner are set on the open descriptor before the data goes in."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.chmod(mode)
-    if gid is not None and os.geteuid() == 0:
-        os.chown(tmp, 0, gid)
-    tmp.replace(path)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            if gid is not None and os.geteuid() == 0:
+                os.fchown(f.fileno(), 0, gid)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _name(cn: str) -> x509.Name:

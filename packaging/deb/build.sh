@@ -80,9 +80,14 @@ done
 
 # Files the package installs.
 install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
+# Mosquitto as its own user with CAP_NET_BIND_SERVICE, for the agent's
+# privileged listener 127.0.0.1:883 (see the file).
+install -D -m 0644 "$repo/packaging/systemd/mosquitto-iggy-edge.conf" \
+  "$root/lib/systemd/system/mosquitto.service.d/iggy-edge.conf"
 install -D -m 0644 "$repo/packaging/config/config.toml" "$root/etc/iggy-edge/config.toml"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.conf" "$root/etc/mosquitto/conf.d/iggy-edge.conf"
 install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge.acl" "$root/etc/mosquitto/iggy-edge.acl"
+install -D -m 0644 "$repo/packaging/mosquitto/iggy-edge-agent.acl" "$root/etc/mosquitto/iggy-edge-agent.acl"
 for f in "$repo"/device/manifest.py "$repo"/device/iggy_device/*.py "$repo"/firmware_examples/*/*.py \
   "$repo"/firmware_examples/*/config.json; do
   install -D -m 0644 "$f" "$root/usr/share/iggy-edge/${f#"$repo"/}"
@@ -100,7 +105,11 @@ installed_kb=$((installed_kb + 60000))  # the venv postinst unpacks next to the 
 sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@INSTALLED_SIZE@/$installed_kb/" \
   "$here/control.in" > "$root/DEBIAN/control"
 printf '%s\n' /etc/iggy-edge/config.toml /etc/mosquitto/conf.d/iggy-edge.conf /etc/mosquitto/iggy-edge.acl \
-  > "$root/DEBIAN/conffiles"
+  /etc/mosquitto/iggy-edge-agent.acl > "$root/DEBIAN/conffiles"
+# Mosquitto installed after iggy-edge (it is only Recommended): its package
+# creates the mosquitto group; postinst "triggered" then gives it the
+# password files (see mosquitto_perms in postinst).
+printf '%s\n' "interest-noawait /usr/sbin/mosquitto" > "$root/DEBIAN/triggers"
 for script in postinst prerm postrm; do
   sed -e "s/@VERSION@/$version/" "$here/$script" > "$root/DEBIAN/$script"
   chmod 0755 "$root/DEBIAN/$script"

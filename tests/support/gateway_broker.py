@@ -1,5 +1,6 @@
 """A real Mosquitto started from the files the package ships
-(packaging/mosquitto/iggy-edge.conf and iggy-edge.acl), with only ports and
+(packaging/mosquitto/iggy-edge.conf, iggy-edge-agent.acl and iggy-edge.acl),
+with only ports and
 paths rewritten to a temp dir: the agent's loopback listener, the devices'
 listener and, when asked, the TLS listener (uncommented as an administrator
 would)."""
@@ -21,6 +22,7 @@ from .ports import free_port, wait_port
 REPO = Path(__file__).resolve().parents[2]
 SNIPPET = REPO / "packaging" / "mosquitto" / "iggy-edge.conf"
 ACL = REPO / "packaging" / "mosquitto" / "iggy-edge.acl"
+AGENT_ACL = REPO / "packaging" / "mosquitto" / "iggy-edge-agent.acl"
 AGENT_USER = "iggy-edge"
 TLS_LINES = re.compile(
     r"^#((?:listener 8883|allow_anonymous|password_file|acl_file|use_username_as_clientid|certfile|keyfile"
@@ -51,6 +53,9 @@ class GatewayBroker:
     workdir: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = None
     host: str = "127.0.0.1"
+    # As packaging/systemd/mosquitto-iggy-edge.conf runs it: the mosquitto
+    # user with only CAP_NET_BIND_SERVICE (needs root to start it so).
+    as_mosquitto: bool = False
 
     def __post_init__(self) -> None:
         # Mosquitto drops to its own user when started as root (unless told
@@ -71,6 +76,14 @@ class GatewayBroker:
         return self.workdir / "iggy-edge.acl"
 
     @property
+    def agent_acl(self) -> Path:
+        return self.workdir / "iggy-edge-agent.acl"
+
+    @property
+    def conf_path(self) -> Path:
+        return self.workdir / "mosquitto.conf"
+
+    @property
     def pid_file(self) -> Path:
         return self.workdir / "mosquitto.pid"
 
@@ -84,10 +97,11 @@ class GatewayBroker:
     def conf_text(self) -> str:
         snippet = SNIPPET.read_text()
         for old, new in (
-            ("listener 1884 127.0.0.1", f"listener {self.agent_port} 127.0.0.1"),
+            ("listener 883 127.0.0.1", f"listener {self.agent_port} 127.0.0.1"),
             ("listener 1883\n", f"listener {self.device_port} 127.0.0.1\n"),
             ("/etc/mosquitto/iggy-edge-devices.passwd", str(self.devices_passwd)),
             ("/etc/mosquitto/iggy-edge.passwd", str(self.agent_passwd)),
+            ("/etc/mosquitto/iggy-edge-agent.acl", str(self.agent_acl)),
             ("/etc/mosquitto/iggy-edge.acl", str(self.acl)),
         ):
             assert old in snippet, f"the packaged snippet changed: {old!r} is gone"
@@ -97,7 +111,7 @@ class GatewayBroker:
             snippet = snippet.replace("listener 8883", f"listener {self.tls_port} 127.0.0.1")
             snippet = snippet.replace("/etc/mosquitto/certs/iggy-edge-server.crt", str(self.tls_cert))
             snippet = snippet.replace("/etc/mosquitto/certs/iggy-edge-server.key", str(self.tls_key))
-        run_as = "user root\n" if os.geteuid() == 0 else ""
+        run_as = "user root\n" if os.geteuid() == 0 and not self.as_mosquitto else ""
         # What Debian's /etc/mosquitto/mosquitto.conf adds before including conf.d.
         head = (
             f"{run_as}pid_file {self.pid_file}\npersistence true\npersistence_location {self.workdir}/\n"
@@ -110,6 +124,7 @@ class GatewayBroker:
         binary = mosquitto_binary()
         assert binary is not None, "mosquitto is not installed (run .ci/setup)"
         shutil.copyfile(ACL, self.acl)
+        shutil.copyfile(AGENT_ACL, self.agent_acl)
         for p in (self.agent_passwd, self.devices_passwd):
             if not p.exists():
                 p.touch()
@@ -117,13 +132,16 @@ class GatewayBroker:
             add_user(self.agent_passwd, AGENT_USER, self.agent_password)
         for user, pw in self.devices.items():
             add_user(self.devices_passwd, user, pw)
-        for p in (self.agent_passwd, self.devices_passwd, self.acl):
+        for p in (self.agent_passwd, self.devices_passwd, self.acl, self.agent_acl):
             p.chmod(0o644)
-        conf = self.workdir / "mosquitto.conf"
+        conf = self.conf_path
         conf.write_text(self.conf_text())
-        self.proc = subprocess.Popen(
-            [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        argv = [binary, "-c", str(conf)]
+        if self.as_mosquitto:
+            shutil.chown(self.workdir, "mosquitto")  # persistence, log, pid file
+            caps = ["--inh-caps=+net_bind_service", "--ambient-caps=+net_bind_service"]
+            argv = ["setpriv", "--reuid=mosquitto", "--regid=mosquitto", "--init-groups", *caps, *argv]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_port(self.agent_port)
             wait_port(self.device_port)

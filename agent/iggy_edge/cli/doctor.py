@@ -11,6 +11,9 @@ Checks, each bounded in time and independent of the others:
 * broker      TCP reachability, then an MQTT CONNECT with the configured
               credentials under a separate client id (never the agent's: that
               would take over its persistent session)
+* broker-listener, device-users, iggy-transport
+              who holds the agent's listener, the names in the devices'
+              password files, the Iggy password in clear (doctor_trust.py)
 * iggy        reachability of every node (``iggy nodes`` when several are
               configured), login, the cluster's leader as the server tells
               it (``iggy cluster``), the topics the routes need and the
@@ -32,9 +35,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final
 
 import gmqtt
 import typer
@@ -52,6 +55,8 @@ from ..uplink.iggy import IggyProbe
 from ..uplink.iggy.errors import IGGY_SDK_VERSION, IncompatibleServer
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
+from .doctor_trust import check_agent_listener, check_device_users, check_iggy_transport
+from .doctor_types import LOCAL_HOSTS, Check, Status
 
 DEFAULT_ENV_FILE: Final = Path("/etc/iggy-edge/env")
 TIMEOUT_S: Final = 5.0
@@ -73,19 +78,8 @@ MOSQUITTO_CONF: Final = Path("/etc/mosquitto/mosquitto.conf")
 # What the agent's persistent session needs queued while the agent is stopped
 # (the shipped snippet sets 1000000; Mosquitto's default 1000 drops the rest).
 MIN_QUEUED_MESSAGES: Final = 100_000
-LOCAL_HOSTS: Final = {"127.0.0.1", "::1", "localhost"}
-
-Status = Literal["ok", "warn", "fail", "skip"]
 MARK: Final = {"ok": "✓", "warn": "!", "fail": "✗", "skip": "-"}
 COLOUR: Final = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "white"}
-
-
-@dataclass
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -524,7 +518,12 @@ async def run_checks(
     broker, iggy = await asyncio.gather(check_broker(settings), check_iggy(settings))
     checks.append(broker)
     checks.append(check_broker_config(settings, mosquitto_conf))
+    checks.append(await asyncio.to_thread(check_agent_listener, settings))
+    checks.append(check_device_users(settings, mosquitto_conf))
     checks.extend(iggy)
+    transport = check_iggy_transport(settings)
+    if transport is not None:
+        checks.append(transport)
     checks.append(await asyncio.to_thread(check_agent, settings))
     return checks
 

@@ -130,7 +130,7 @@ state_dir = "/var/lib/iggy-edge"
 host = "127.0.0.1"
 # 1883 is a plain Mosquitto.  With iggy-edge's Mosquitto snippet
 # (packaging/mosquitto/iggy-edge.conf: the devices on 1883, the agent alone on
-# a loopback listener) the agent connects to 1884.
+# the privileged loopback listener 127.0.0.1:883) the agent connects to 883.
 port = 1883
 
 [iggy]
