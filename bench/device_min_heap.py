@@ -1,31 +1,50 @@
 """Smallest MicroPython heap that runs the env_sensor example with the
 library (and umqtt) as .mpy, as a board would run it: the real Unix port,
-the real umqtt.simple, a real Mosquitto, ``cycles`` readings published.
+the real umqtt.simple, a real Mosquitto, ``cycles`` readings published with
+receipts on (the default), answered by a receipt responder on the broker
+(tests/support/micropython.py ``ReceiptResponder``, what the agent's
+receipts do), so readings flow and leave the ring as on a gateway.  A probe
+passes only when every reading was sent (``sent`` >= ``cycles``) and the
+device ran with receipts on.
 
 Prints one JSON line per probe and a summary line:
-  {"bench": "device_min_heap", "smallest_ok_k": N, "largest_failing_k": N-step, ...}
+  {"bench": "device_min_heap", "smallest_ok_k": N, "largest_failing_k": N-step, "sent": n, ...}
 
 Run: .venv/bin/python bench/device_min_heap.py [--cycles 300] [--lo 32] [--hi 160] [--step 4] [--source]
-The Unix port here has 8-byte words (x86-64): a 32-bit ESP32 needs less.
+On the 32-bit float32 build (4-byte words, as an ESP32): the same with
+.venv32/bin/python (made by .ci/setup when ../shared/tools/micropython-i386-float32
+exists; its bin/micropython is that build).  ``word_bytes`` says which ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.broker import Broker  # noqa: E402
-from tests.support.micropython import Board, Flash  # noqa: E402
+from tests.support.micropython import Board, Flash, ReceiptResponder, require_micropython  # noqa: E402
 
 
-def runs(tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False) -> tuple[bool, str]:
+def word_bytes() -> int:
+    r = subprocess.run(
+        [require_micropython(), "-c", "import sys; print(sys.maxsize)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return 4 if int(r.stdout) < 2**32 else 8
+
+
+def runs(tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False) -> dict[str, Any]:
     dev = f"minheap-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     flash.install_example(
@@ -37,9 +56,17 @@ def runs(tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False) -
     board = Board(flash, heapsize=f"{heap_k}k").start()
     rc = board.wait(180)
     console = board.console()
-    ok = rc == 0 and "IGGY-DONE" in console and "fatal" not in console
     last = console.strip().splitlines()[-1] if console.strip() else ""
-    return ok, last[:160]
+    probe: dict[str, Any] = {"heap_k": heap_k, "ok": False, "sent": 0, "receipt_mode": None}
+    if rc == 0 and "IGGY-DONE" in console and "fatal" not in console:
+        done = board.done()
+        probe["sent"] = done.get("sent", 0)
+        probe["receipt_mode"] = done.get("receipt_mode")
+        probe["receipts"] = done.get("receipts", 0)
+        probe["heap_free"] = done.get("heap_free")
+        probe["ok"] = probe["sent"] >= cycles and probe["receipt_mode"] == "on"
+    probe["last"] = last[:160]
+    return probe
 
 
 def main() -> None:
@@ -53,20 +80,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="iggy-min-heap-") as t:
         tmp = Path(t)
         broker = Broker(tmp / "broker").start()
+        responder = ReceiptResponder(broker)
         try:
             lo, hi = args.lo, args.hi  # invariant: lo fails (assumed), hi runs (checked)
-            ok, last = runs(tmp, broker.port, hi, args.cycles, args.source)
-            print(json.dumps({"bench": "device_min_heap_probe", "heap_k": hi, "ok": ok, "last": last}))
-            if not ok:
-                raise SystemExit(f"env_sensor does not run even in {hi}k: {last}")
+            best = runs(tmp, broker.port, hi, args.cycles, args.source)
+            print(json.dumps({"bench": "device_min_heap_probe", **best}), flush=True)
+            if not best["ok"]:
+                raise SystemExit(f"env_sensor does not run even in {hi}k: {best}")
             while hi - lo > args.step:
                 mid = (lo + hi) // 2 // args.step * args.step
                 if mid <= lo:
                     mid = lo + args.step
-                ok, last = runs(tmp, broker.port, mid, args.cycles, args.source)
-                print(json.dumps({"bench": "device_min_heap_probe", "heap_k": mid, "ok": ok, "last": last}))
-                if ok:
-                    hi = mid
+                probe = runs(tmp, broker.port, mid, args.cycles, args.source)
+                print(json.dumps({"bench": "device_min_heap_probe", **probe}), flush=True)
+                if probe["ok"]:
+                    hi, best = mid, probe
                 else:
                     lo = mid
             print(
@@ -78,11 +106,16 @@ def main() -> None:
                         "cycles": args.cycles,
                         "smallest_ok_k": hi,
                         "largest_failing_k": lo,
-                        "word_bytes": 8,
+                        "sent": best["sent"],
+                        "receipt_mode": best["receipt_mode"],
+                        "receipts_seen": best.get("receipts", 0),
+                        "receipts_answered": responder.receipts,
+                        "word_bytes": word_bytes(),
                     }
                 )
             )
         finally:
+            responder.close()
             broker.stop()
 
 

@@ -3,3 +3,15 @@
 # Device``); this file stays empty so that importing one pure module does not
 # drag the MQTT client into RAM.
 VERSION = "0.1.0"
+
+
+def unload(name):
+    """Forget the boot-only submodule ``name`` (configcheck, datadir), so
+    the garbage collector takes its code and tables: sys.modules and this
+    package are what keep a module alive."""
+    import sys
+
+    sys.modules.pop("iggy_device." + name, None)
+    g = globals()
+    if name in g:
+        del g[name]

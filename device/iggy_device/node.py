@@ -29,11 +29,9 @@ from umqtt.simple import MQTTClient, MQTTException
 
 from . import codec
 from .backoff import Backoff
-from .dedupe import RecentCommands
 from .ring import Ring
 from .seq import Sequence
-from . import fsutil
-from . import wire
+from . import fsutil, unload, wire
 
 # umqtt signals a dead connection in several ways: OSError from the socket,
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
@@ -67,12 +65,16 @@ class Device:
             hw = Hardware.from_config(cfg, self.log)
         self.hw = hw
         d = cfg.data_dir
-        if fsutil.claim(d, cfg.device_id, self.log):
-            hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
-        ring_bytes = fsutil.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=self.log)
+        try:
+            from . import datadir
+
+            if datadir.claim(d, cfg.device_id, self.log):
+                hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
+            ring_bytes = datadir.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=self.log)
+        finally:
+            unload("datadir")  # boot-only (heap)
         self.ring = Ring(d + "/ring", ring_bytes, cfg.segment_bytes, cfg.cursor_every)
         self.seq = Sequence(d + "/seq", cfg.seq_block)
-        self.recent = RecentCommands(d + "/cmds")
         self.wake = self._load_rtc()  # state kept in RTC memory across deep sleep
         if hw.woke_from_deepsleep() and "seq" in self.wake:
             self.seq.resume(self.wake["seq"])
@@ -114,8 +116,7 @@ class Device:
         self._b_cmd = self._t_cmd.encode()
         self._b_config = self._t_config.encode()
         self._up = {}
-        self._config_path = d + "/desired.json"
-        self._config_raw = fsutil.read(self._config_path)
+        self._in = None  # commands.py, loaded with the first command or config (heap)
         self.receipts = None  # receipts.py, loaded only when on (heap)
         if cfg.receipts:
             from .receipts import Receipts
@@ -149,11 +150,8 @@ class Device:
         boot with the persisted copy, and again when a different one
         arrives; it is persisted only after ``fn`` returned."""
         self._config_cb = fn
-        if self._config_raw:
-            try:
-                fn(codec.parse_config(self._config_raw))
-            except ValueError as e:
-                self.log("config: persisted copy unusable:", repr(e))
+        if fsutil.exists(self.cfg.data_dir + "/desired.json"):
+            self._inbound().boot_config(fn)
         return fn
 
     def publish(self, channel, reading):
@@ -242,10 +240,19 @@ class Device:
         return False
 
     def flush(self, budget_ms=5000):
-        """Send what is buffered, within ``budget_ms``; True when empty."""
+        """Send what is buffered, within ``budget_ms``; True when empty.
+        While a connection waits for the gateway's first receipt the budget
+        grows by ``receipt_timeout_ms``: a gateway that sends no receipts is
+        found out in this call (receipts.py falls back to PUBACK, and
+        remembers it across deep sleep), not never on a board whose every
+        wake is shorter than the fallback."""
         t0 = time.ticks_ms()
-        while len(self.ring) and time.ticks_diff(time.ticks_ms(), t0) < budget_ms:
-            if not self.poll():
+        r = self.receipts
+        while len(self.ring):
+            limit = budget_ms
+            if r is not None and not r.go:
+                limit += self.cfg.receipt_timeout_ms
+            if time.ticks_diff(time.ticks_ms(), t0) >= limit or not self.poll():
                 break
         return not len(self.ring)
 
@@ -329,6 +336,9 @@ class Device:
                 self._drain(self.cfg.drain_per_poll)
             except NET_ERRORS as e:
                 self._lost(e)
+            except MemoryError as e:  # receiving during the PUBACK wait, as above
+                self._oom(e)
+                self._lost(e)
 
     def _pub(self, channel, payload):
         c = self._client
@@ -381,6 +391,8 @@ class Device:
                 self.hw.feed()
                 c.connect(cfg.clean_session)
                 self.hw.feed()
+                if self.receipts is not None:
+                    self.receipts.connected(c)  # before "online": see there
                 c.publish(self._t_status, b"online", True, 1)
                 self.hw.feed()
                 c.subscribe(self._t_cmd, 1)
@@ -429,14 +441,23 @@ class Device:
         self.stats["connects"] += 1
         self._reported_dropped = -1  # announce ourselves with a diag message
         self.log("connected to", cfg.broker, "buffered", len(self.ring))
-        if cfg.ntp and self.hw.unix_time() is None and time.ticks_diff(time.ticks_ms(), self._ntp_next) >= 0:
+        if cfg.ntp and self._clock_due() and time.ticks_diff(time.ticks_ms(), self._ntp_next) >= 0:
             # after the session is up, so a slow or unreachable NTP server
-            # never delays it; once per _NTP_RETRY_MS at most
+            # never delays it; a failed try again after _NTP_RETRY_MS
             self._ntp_next = time.ticks_add(time.ticks_ms(), _NTP_RETRY_MS)
             self.hw.feed()
-            self.hw.sync_clock()
+            if self.hw.sync_clock():
+                self.wake["ntp"] = self.hw.unix_time()
             self.hw.feed()
         return True
+
+    def _clock_due(self):
+        """The clock needs NTP: unset, or last set ``ntp_every_s`` ago (the
+        RTC drifts, most in deep sleep, where the ESP32 runs it from its RC
+        oscillator; the time of the last sync is kept in RTC memory)."""
+        now = self.hw.unix_time()
+        last = self.wake.get("ntp")
+        return now is None or last is None or not 0 <= now - last < self.cfg.ntp_every_s
 
     def _wifi_up(self, now):
         """True when the link is up; False while joining (never blocks);
@@ -529,68 +550,34 @@ class Device:
             self._inbox_bytes -= len(msg)
             try:
                 if topic == self._b_cmd:
-                    self._handle_command(msg)
+                    self._inbound().command(msg)
                 elif topic == self._b_config:
-                    self._handle_config(msg)
+                    self._inbound().config(msg)
                 elif self.receipts is not None and topic == self.receipts.topic_b:
                     self.receipts.handle(msg)
             except MemoryError as e:
                 self._oom(e)
+                if topic == self._b_cmd:
+                    # acknowledged to the broker already: refuse it to the
+                    # gateway (an "error" ack) rather than lose it unheard
+                    self._refuse(msg)
             msg = None
             gc.collect()
 
-    def _handle_command(self, raw):
+    def _refuse(self, msg):
         try:
-            cid, name, args, exp = codec.parse_command(raw)
-        except codec.CommandError as e:
-            self.stats["bad_messages"] += 1
-            self.log("bad command:", e.reason)
-            if e.cid is not None:
-                self._ack(e.cid, codec.encode_ack(e.cid, codec.ACK_ERROR, error=e.reason), None)
-            return
-        prior = self.recent.get(cid)
-        if prior is not None:
-            # redelivered: acknowledge again, do not run again
-            self.stats["duplicates"] += 1
-            self._send("ack", prior)
-            return
-        self.stats["commands"] += 1
-        fn = self._handlers.get(name)
-        if codec.is_expired(exp, self.hw.unix_time()):
-            ack = codec.encode_ack(cid, codec.ACK_EXPIRED, error="expired")
-        elif fn is None:
-            ack = codec.encode_ack(cid, codec.ACK_UNKNOWN, error=name)
-        else:
-            try:
-                ack = codec.encode_ack(cid, codec.ACK_OK, result=fn(args))
-            except Exception as e:  # noqa: BLE001 - the handler boundary: any failure becomes an "error" ack
-                ack = codec.encode_ack(cid, codec.ACK_ERROR, error=repr(e))
-        self._ack(cid, ack, codec.encode_ack(cid, codec.ACK_OK, result="(result too long to keep)"))
+            if not self._inbound().refuse(msg, "out of memory"):
+                self.log("command lost: out of memory, no id found")
+        except MemoryError as e:
+            self.log("command lost: out of memory", repr(e))
 
-    def _ack(self, cid, ack, short):
-        self.recent.put(cid, ack, short)
-        self._send("ack", ack)
+    def _inbound(self):
+        h = self._in
+        if h is None:
+            from .commands import Inbound
 
-    def _handle_config(self, raw):
-        if raw == self._config_raw:
-            return  # the retained copy we already applied (every reconnect)
-        try:
-            desired = codec.parse_config(raw)
-        except ValueError as e:
-            self.stats["bad_messages"] += 1
-            self.log("bad config:", repr(e))
-            return
-        if desired is None:
-            return
-        if self._config_cb is not None:
-            try:
-                self._config_cb(desired)
-            except Exception as e:  # noqa: BLE001 - application callback boundary
-                self.log("config callback failed:", repr(e))
-                return
-        fsutil.write_atomic(self._config_path, raw)
-        self._config_raw = raw
-        self.log("config applied")
+            h = self._in = Inbound(self)
+        return h
 
     # -- RTC memory ---------------------------------------------------------------
     def _load_rtc(self):

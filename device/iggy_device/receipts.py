@@ -49,11 +49,29 @@ class Receipts:
         # "waiting" (none seen yet), "on", "off" (PUBACK is enough)
         self.mode = "waiting"
         dev.ring.hold = True
+        if dev.wake.get("ro"):
+            # an earlier wake fell back (a gateway without receipts): PUBACK
+            # is enough from the start, until a receipt arrives, so a battery
+            # board pays the receipt_timeout_ms wait once, not every wake
+            self.mode = "off"
+            dev.ring.hold = False
         self.since = time.ticks_ms()  # oldest held reading sent, or the last receipt
-        self.session = None  # the client set up for sending (rewound, subscribed)
         self.n = [0, 0, 0]  # receipts, fallbacks, re-sends
         self.go = True  # this connection may send (see before_send)
         self.resent = False
+
+    def connected(self, client):
+        """A new connection, before it says "online": subscribe first, so
+        the receipt the gateway sends when it sees "online" cannot arrive
+        before the subscription (it is not retained when it says "nothing of
+        yours yet"), and send again from the oldest held reading once the
+        gateway has shown it listens (any receipt)."""
+        ring = self.dev.ring
+        ring.rewind()
+        self.go = not ring.hold
+        self.since = time.ticks_ms()
+        self.resent = False
+        client.subscribe(self.topic, 0)
 
     def before_send(self, client, evicted=False):
         """Before the ring drains on ``client`` (and, with ``client`` None,
@@ -61,15 +79,6 @@ class Receipts:
         send yet (a new connection waits for the gateway's first receipt)."""
         ring = self.dev.ring
         now = time.ticks_ms()
-        if client is not self.session and client is not None:
-            # the first send on a new connection: send again from the oldest
-            # held reading, once the gateway has shown it listens (any receipt)
-            self.session = client
-            ring.rewind()
-            self.go = not ring.hold
-            self.since = now
-            self.resent = False
-            client.subscribe(self.topic, 0)
         if not ring.hold:
             return True
         waited = time.ticks_diff(now, self.since)
@@ -99,6 +108,7 @@ class Receipts:
         ring.hold = False
         self.go = True
         self.mode = "off"
+        self.dev.wake["ro"] = 1  # RTC memory: the next wake starts "off"
         self.n[1] += 1
         self.dev.log("receipts:", why, "-", n, "held readings released; PUBACK is enough until a receipt")
 
@@ -120,6 +130,7 @@ class Receipts:
         if self.mode != "on":
             self.mode = "on"
             ring.hold = True
+            self.dev.wake.pop("ro", None)
         if release(ring, seq, crc) or not ring.unreceipted():
             self.since = time.ticks_ms()
             self.resent = False

@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from esptool import targets
 from iggy_edge.cli import device, device_flash
 from typer.testing import CliRunner
 
@@ -362,3 +363,66 @@ def test_provisioning_stops_before_touching_the_board_when_the_mpy_version_diffe
     ):
         device._copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
     assert len(fake.calls) == 1  # the probe only
+
+
+# -- issue 19: 6. C5/P4 offsets, 7. the application partition is checked too ----------
+ESP32C5_CHIP_ID = 23
+
+
+def test_image_offsets_are_the_installed_esptools_bootloader_offsets(tmp_path: Path) -> None:
+    """ESP32-C5 and -P4 boot from 0x2000 (MicroPython's download pages, and
+    esptool's own table): an image written at 0x0 does not boot."""
+    img = tmp_path / "fw.bin"
+    for chip, cls in targets.CHIP_DEFS.items():
+        if chip == "esp8266":
+            continue  # not a board this project flashes
+        assert device_flash.Image(img, chip, chip.upper()).offset == cls.BOOTLOADER_FLASH_OFFSET, chip
+    c5 = device_flash.Image(img, "esp32c5", "ESP32-C5")
+    assert device_flash.esptool_argv("esptool", "/dev/ttyACM0", c5)[2][-2] == "0x2000"
+    p4 = device_flash.Image(img, "esp32p4", "ESP32-P4")
+    assert device_flash.esptool_argv("esptool", "/dev/ttyACM0", p4)[2][-2] == "0x2000"
+
+
+def download_image(chip_id: int, offset: int, app: bytes | None = None, app_at: int = 0x10000) -> bytes:
+    """A firmware download as micropython.org ships it: the flash from the
+    image offset on, with the bootloader, the partition table at 0x8000 and
+    the application (factory partition) at ``app_at``."""
+    boot = esp_image(chip_id, b"ESP-IDF bootloader")
+    app = esp_image(chip_id) if app is None else app
+    table = b""
+    for ptype, sub, at, size, label in ((1, 2, 0x9000, 0x6000, b"nvs"), (0, 0, app_at, 0x1F0000, b"factory")):
+        table += b"\xaa\x50" + struct.pack("<BBII", ptype, sub, at, size) + label.ljust(16, b"\0") + b"\0" * 4
+    out = bytearray(b"\xff" * (app_at - offset))
+    out[: len(boot)] = boot
+    t = 0x8000 - offset
+    out[t : t + len(table)] = table
+    return bytes(out) + app
+
+
+def test_a_damaged_application_partition_is_refused_not_only_the_bootloader(tmp_path: Path) -> None:
+    esptool = _esptool()
+    good = tmp_path / "ESP32_GENERIC-20241129-v1.24.1.bin"
+    good.write_bytes(download_image(ESP32_CHIP_ID, 0x1000))
+    assert device_flash.check_image(esptool, good).offset == 0x1000
+    c5 = tmp_path / "ESP32_GENERIC_C5.bin"
+    c5.write_bytes(download_image(ESP32C5_CHIP_ID, 0x2000))
+    assert device_flash.check_image(esptool, c5).chip == "esp32c5"
+
+    data = bytearray(good.read_bytes())
+    data[0x10000 - 0x1000 + 60] ^= 0xFF  # a flipped byte inside the application
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(device_flash.FlashError, match=r"partition 'factory'.*invalid.*download it again"):
+        device_flash.check_image(esptool, damaged)
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(good.read_bytes()[: 0x10000 - 0x1000 + 8])  # the download stopped early
+    with pytest.raises(device_flash.FlashError, match="cut off"):
+        device_flash.check_image(esptool, cut)
+    no_table = tmp_path / "no-table.bin"
+    no_table.write_bytes(esp_image(ESP32_CHIP_ID) + b"\xff" * 0x9000)
+    with pytest.raises(device_flash.FlashError, match="no partition table"):
+        device_flash.check_image(esptool, no_table)
+    other = tmp_path / "other-app.bin"
+    other.write_bytes(download_image(ESP32_CHIP_ID, 0x1000, esp_image(ESP32_CHIP_ID, b"some other firmware")))
+    with pytest.raises(device_flash.FlashError, match="not MicroPython"):
+        device_flash.check_image(esptool, other)

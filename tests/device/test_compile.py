@@ -62,3 +62,20 @@ def test_examples_ship_a_config_template_without_secrets() -> None:
         assert cfg["device_id"]
         assert cfg.get("wifi_password") in (None, "")
         assert cfg.get("password") in (None, "")
+
+
+def test_manifest_freezes_the_whole_package_and_umqtt() -> None:
+    """device/manifest.py as MicroPython's manifest tooling runs it
+    (tools/manifestfile.py execs it with metadata/require/package bound):
+    the package as a whole, so every module (commands, configcheck, datadir
+    included) is frozen, and umqtt.simple from micropython-lib."""
+    calls: list[tuple[str, tuple[object, ...]]] = []
+    env = {
+        name: (lambda *a, _n=name, **_kw: calls.append((_n, a)))
+        for name in ("metadata", "require", "package", "module", "include")
+    }
+    src = (DEVICE_DIR / "manifest.py").read_text()
+    exec(compile(src, "manifest.py", "exec"), env)  # our own manifest, as the tool runs it
+    assert ("require", ("umqtt.simple",)) in calls
+    assert ("package", ("iggy_device",)) in calls
+    assert (DEVICE_DIR / "iggy_device" / "__init__.py").exists()  # package() freezes this directory

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import bme280
 import pytest
-from iggy_device import codec, config
+from iggy_device import codec, commands, config
 from iggy_device.backoff import Backoff
-from iggy_device.dedupe import RecentCommands
 from iggy_device.ring import Ring
 from iggy_device.seq import Sequence
 
@@ -203,29 +202,29 @@ def test_reading_is_compact_json_with_seq_and_ts() -> None:
     ],
 )
 def test_malformed_commands_carry_the_id_when_known(raw: bytes, cid: str | None, reason: str) -> None:
-    with pytest.raises(codec.CommandError, match=reason) as e:
-        codec.parse_command(raw)
+    with pytest.raises(commands.CommandError, match=reason) as e:
+        commands.parse_command(raw)
     assert e.value.cid == cid
 
 
 def test_command_and_ack_formats() -> None:
     raw = b'{"id": "c1", "name": "set_relay", "args": {"on": true}, "expires_at": null}'
-    assert codec.parse_command(raw) == ("c1", "set_relay", {"on": True}, None)
-    assert codec.parse_command(b'{"id":"c2","name":"x"}')[2] == {}
-    assert json.loads(codec.encode_ack("c1", "ok", result={"a": 1})) == {
+    assert commands.parse_command(raw) == ("c1", "set_relay", {"on": True}, None)
+    assert commands.parse_command(b'{"id":"c2","name":"x"}')[2] == {}
+    assert json.loads(commands.encode_ack("c1", "ok", result={"a": 1})) == {
         "id": "c1",
         "status": "ok",
         "result": {"a": 1},
     }
-    assert json.loads(codec.encode_ack("c1", "unknown_command", error="zap")) == {
+    assert json.loads(commands.encode_ack("c1", "unknown_command", error="zap")) == {
         "id": "c1",
         "status": "unknown_command",
         "error": "zap",
     }
-    assert codec.is_expired(100, 101)
-    assert not codec.is_expired(100, 100)
-    assert not codec.is_expired(100, None)  # unknown clock: run it
-    assert not codec.is_expired(None, 10**10)
+    assert commands.is_expired(100, 101)
+    assert not commands.is_expired(100, 100)
+    assert not commands.is_expired(100, None)  # unknown clock: run it
+    assert not commands.is_expired(None, 10**10)
 
 
 def test_channel_names_cannot_break_the_topic_tree() -> None:
@@ -238,15 +237,15 @@ def test_channel_names_cannot_break_the_topic_tree() -> None:
 # -- recent commands -----------------------------------------------------------------
 def test_recent_commands_persist_and_stay_bounded(tmp_path: Path) -> None:
     p = str(tmp_path / "cmds")
-    r = RecentCommands(p, size=3)
+    r = commands.RecentCommands(p, size=3)
     for i in range(5):
         r.put(f"c{i}", f'{{"id":"c{i}","status":"ok"}}')
-    r2 = RecentCommands(p, size=3)
+    r2 = commands.RecentCommands(p, size=3)
     assert len(r2) == 3
     assert r2.get("c1") is None
     assert r2.get("c4") == '{"id":"c4","status":"ok"}'
     r2.put("big", "x" * 500, short_ack="short")
-    assert RecentCommands(p, size=3).get("big") == "short"
+    assert commands.RecentCommands(p, size=3).get("big") == "short"
 
 
 # -- config ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import json, random
 from iggy_device.ring import Ring
 from iggy_device.seq import Sequence
 from iggy_device.backoff import Backoff
-from iggy_device import codec
+from iggy_device import codec, commands
 
 random.seed(SEED)
 ring = Ring("r", 1024, 256, 4)
@@ -62,7 +62,7 @@ for _ in range(30):
     d = b.next_ms()
     assert 50 <= d <= 1000, d
 
-assert codec.parse_command(b'{"id":"a","name":"n","args":{"x":1}}') == ("a", "n", {"x": 1}, None)
+assert commands.parse_command(b'{"id":"a","name":"n","args":{"x":1}}') == ("a", "n", {"x": 1}, None)
 assert json.loads(codec.encode_reading(3, None, {"t": 1})) == {"seq": 3, "t": 1}
 print("OK", nid, len(delivered), dropped)
 """

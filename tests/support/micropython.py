@@ -10,13 +10,17 @@ survive a restart of the process, as flash survives a reset.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,3 +340,123 @@ def wait_console(board: Board, text: str, count: int = 1, what: str = "", timeou
         timeout,
         what=what or f"{text!r} x{count} on the console",
     )
+
+
+class ReceiptResponder:
+    """What the gateway's receipts do, on a real broker, for tests and benches
+    that run boards without an agent: every reading a device publishes on
+    ``{prefix}/{device}/up/{channel}`` (with a ``seq``) is answered with a
+    retained receipt ``{"seq", "crc"}`` on ``{prefix}/{device}/down/receipt``,
+    at most one per device per ``interval_s`` (the agent's ``min_interval_ms``,
+    200 ms) with the newest reading, and one when a device says ``online``.
+    A plain MQTT 3.1.1 client on a socket, in a thread; ``receipts`` counts
+    what it sent."""
+
+    def __init__(self, broker: Broker, prefix: str = "edge", interval_s: float = 0.2) -> None:
+        self.broker = broker
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self._pending: dict[str, bytes] = {}
+        self._sent_at: dict[str, float] = {}
+        self.receipts = 0
+        self.readings = 0
+        self._stop = threading.Event()
+        self._sock = socket.create_connection((broker.host, broker.port), timeout=5)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cid = f"receipts-{uuid.uuid4().hex[:8]}".encode()
+        body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(cid).to_bytes(2, "big") + cid
+        self._send(0x10, body)
+        if self._packet()[0] != 0x20:
+            raise AssertionError("receipt responder: no CONNACK")
+        subs = b""
+        for t in (f"{prefix}/+/up/+", f"{prefix}/+/status"):
+            subs += len(t).to_bytes(2, "big") + t.encode() + b"\x01"
+        self._send(0x82, b"\x00\x01" + subs)
+        self._last: dict[str, bytes] = {}
+        if self._packet()[0] != 0x90:
+            raise AssertionError("receipt responder: no SUBACK")
+        self._sock.settimeout(0.02)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _send(self, op: int, body: bytes) -> None:
+        n, length = len(body), b""
+        while True:
+            b, n = n & 0x7F, n >> 7
+            length += bytes([b | (0x80 if n else 0)])
+            if not n:
+                break
+        self._sock.sendall(bytes([op]) + length + body)
+
+    def _read(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            try:
+                got = self._sock.recv(n - len(out))
+            except TimeoutError:
+                if self._stop.is_set():
+                    raise EOFError from None
+                self._due()
+                continue
+            if not got:
+                raise EOFError
+            out += got
+        return out
+
+    def _packet(self) -> tuple[int, bytes]:
+        op = self._read(1)[0]
+        size, shift = 0, 0
+        while True:
+            b = self._read(1)[0]
+            size |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        return op, self._read(size)
+
+    def _run(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while not self._stop.is_set():
+                op, body = self._packet()
+                if op & 0xF0 != 0x30:
+                    continue
+                tl = int.from_bytes(body[:2], "big")
+                topic = body[2 : 2 + tl].decode()
+                payload = body[2 + tl + (2 if op & 6 else 0) :]
+                if op & 6:
+                    self._send(0x40, body[2 + tl : 4 + tl])  # PUBACK
+                device = topic.split("/")[1]
+                rt = f"{self.prefix}/{device}/down/receipt".encode()
+                if topic.endswith("/status"):
+                    if payload == b"online":
+                        # as the agent: the last receipt, or "listening" (never retained)
+                        last = self._last.get(device)
+                        body = len(rt).to_bytes(2, "big") + rt + (last or b'{"seq":-1}')
+                        self._send(0x31 if last else 0x30, body)
+                        self.receipts += 1
+                    continue
+                self.readings += 1
+                try:
+                    seq = json.loads(payload)["seq"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a command ack: no seq, no receipt
+                self._pending[device] = json.dumps({"seq": seq, "crc": zlib.crc32(payload)}).encode()
+                self._due()
+
+    def _due(self) -> None:
+        now = time.monotonic()
+        for device, doc in list(self._pending.items()):
+            if now - self._sent_at.get(device, 0.0) >= self.interval_s:
+                del self._pending[device]
+                self._sent_at[device] = now
+                self._last[device] = doc
+                rt = f"{self.prefix}/{device}/down/receipt".encode()
+                self._send(0x31, len(rt).to_bytes(2, "big") + rt + doc)  # QoS0, retained
+                self.receipts += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with contextlib.suppress(OSError):
+            self._send(0xE0, b"")
+        self._sock.close()

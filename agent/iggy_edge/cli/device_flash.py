@@ -9,11 +9,15 @@ step so a failure names the step:
 
 1. `esptool image-info IMAGE` (no board needed): an ESP image whose
    checksum and hash are valid, for a chip esptool names, and MicroPython
-   inside (its banner string).
+   inside (its banner string).  esptool reads only the first image in the
+   file, the bootloader; so the partition table at 0x8000 is read too and
+   the application partition it names is checked the same way (a damaged
+   or cut-off download fails here, not on the board).
 2. `esptool --port PORT read-mac`: which chip answers on the port; it must
    be the image's chip.
 3. `esptool --chip CHIP --port PORT erase-flash`, then `write-flash` at the
-   chip's offset (0x1000 on ESP32 and ESP32-S2, 0x0 on the newer chips),
+   chip's offset (0x1000 on ESP32 and ESP32-S2, 0x2000 on C5/P4/H4, 0x0 on
+   the others),
    then esptool's hard reset.
 4. mpremote until the board answers as MicroPython (the first boot makes
    the filesystem), so `device provision` can follow directly.
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,9 +41,23 @@ DOWNLOAD_HINT = (
 ESPTOOL_TIMEOUT_S = 300.0  # an erase of a 16 MB flash takes about two minutes
 BAUD = 460800
 # where the image starts in flash: the ROM loads the 2nd stage bootloader
-# from 0x1000 on ESP32 and ESP32-S2, from 0x0 on the later chips
-OFFSETS = {"esp32": 0x1000, "esp32s2": 0x1000}
+# from 0x1000 on ESP32 and ESP32-S2, 0x2000 on ESP32-C5, -P4, -H4 and -S31, 0x0 on
+# the others (esptool's BOOTLOADER_FLASH_OFFSET; MicroPython's download
+# pages say the same; a test compares this with the installed esptool)
+OFFSETS = {
+    "esp32": 0x1000,
+    "esp32s2": 0x1000,
+    "esp32c5": 0x2000,
+    "esp32p4": 0x2000,
+    "esp32h4": 0x2000,
+    "esp32s31": 0x2000,
+}
 DEFAULT_OFFSET = 0x0
+# A download .bin is the flash from the image offset on: the bootloader, the
+# partition table at 0x8000 and the application at its partition's offset.
+PARTITION_TABLE_AT = 0x8000
+_PART_MAGIC = b"\xaa\x50"
+_PART_APP = 0x00
 MICROPYTHON_MARK = b"MicroPython v"
 
 # what the board runs to say what it is (also the first step of provisioning)
@@ -181,9 +201,68 @@ def check_image(esptool: str, path: Path, runner: Runner = run) -> Image:
     if r.returncode != 0:
         raise FlashError(f"{path} is not an ESP firmware image ({_last_line(output)}): {DOWNLOAD_HINT}")
     label = parse_image_info(output)
-    if MICROPYTHON_MARK not in path.read_bytes():
+    image = Image(path, chip_name(label), label)
+    data = path.read_bytes()
+    app = _check_application(esptool, image, data, runner)
+    if MICROPYTHON_MARK not in app:
         raise FlashError(f"{path} is an {label} image but not MicroPython: {DOWNLOAD_HINT}")
-    return Image(path, chip_name(label), label)
+    return image
+
+
+def app_partitions(data: bytes, image_offset: int) -> list[tuple[str, int, int]]:
+    """(label, flash offset, size) of the application partitions in the
+    partition table inside a download image that starts at ``image_offset``
+    in flash; [] when the file has no table there."""
+    start = PARTITION_TABLE_AT - image_offset
+    out = []
+    for i in range(start, min(start + 0xC00, len(data)), 32):
+        entry = data[i : i + 32]
+        if len(entry) < 32 or entry[:2] != _PART_MAGIC:
+            break
+        ptype, _subtype, offset, size = struct.unpack_from("<BBII", entry, 2)
+        if ptype == _PART_APP:
+            out.append((entry[12:28].rstrip(b"\0").decode(errors="replace"), offset, size))
+    return out
+
+
+def _check_application(esptool: str, image: Image, data: bytes, runner: Runner) -> bytes:
+    """The application part of a download image, checked by esptool as the
+    bootloader was; the whole file when it holds only one image (shorter
+    than the partition table offset)."""
+    if len(data) <= PARTITION_TABLE_AT - image.offset:
+        return data
+    apps = app_partitions(data, image.offset)
+    if not apps:
+        raise FlashError(
+            f"{image.path} has no partition table at 0x{PARTITION_TABLE_AT:x}: "
+            f"not a complete firmware download: {DOWNLOAD_HINT}"
+        )
+    label, offset, _size = apps[0]  # factory (or ota_0): what the bootloader starts
+    start = offset - image.offset
+    if start < 0 or start + 24 > len(data):
+        raise FlashError(
+            f"{image.path} ends before its application partition {label!r} at 0x{offset:x}: "
+            f"the download is cut off: {DOWNLOAD_HINT}"
+        )
+    with tempfile.TemporaryDirectory(prefix="iggy-edge-image-") as tmp:
+        part = Path(tmp) / "application.bin"
+        part.write_bytes(data[start:])
+        r = runner([esptool, "image-info", str(part)], 60.0)
+    output = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise FlashError(
+            f"the application partition {label!r} of {image.path.name} is not a valid image "
+            f"({_last_line(output)}): download it again"
+        )
+    try:
+        app_label = parse_image_info(output)
+    except FlashError as e:
+        raise FlashError(f"application partition {label!r}: {e}") from None
+    if chip_name(app_label) != image.chip:
+        raise FlashError(
+            f"{image.path.name}: the bootloader is for {image.label}, the application for {app_label}"
+        )
+    return data[start:]
 
 
 def flash(
