@@ -22,10 +22,13 @@ that is forgotten and heard from again starts its counts afresh.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sqlite3
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from .config import Settings
@@ -185,3 +188,39 @@ def _rate(d: _Device, now: float) -> float:
     if elapsed < 2 * RATE_WINDOW_S:
         return d.window_count / elapsed
     return 0.0
+
+
+def read_extras(db: Path, prefix: str, devices: set[str]) -> dict[str, dict[str, Any]]:
+    """What the buffer file knows of `devices`: dead letters by reason and
+    the newest command with its state.  Read-only, on a connection of its
+    own (run it in a thread); a table that is not there yet (the return path
+    never ran) is left out."""
+    out: dict[str, dict[str, Any]] = {d: {"dead_letters": {}, "last_command": None} for d in devices}
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return out
+    try:
+        with contextlib.suppress(sqlite3.OperationalError):
+            rows = conn.execute(
+                "SELECT mqtt_topic, reason, count(*) FROM dead_letters GROUP BY mqtt_topic, reason"
+            ).fetchall()
+            for topic, reason, n in rows:
+                text = topic.decode("utf-8", "replace") if isinstance(topic, bytes) else str(topic)
+                if not text.startswith(prefix):
+                    continue
+                dev = text[len(prefix) :].split("/", 1)[0]
+                if dev in out:
+                    dead = out[dev]["dead_letters"]
+                    dead[reason] = dead.get(reason, 0) + n
+        with contextlib.suppress(sqlite3.OperationalError):
+            rows = conn.execute(
+                "SELECT device, id, name, state, updated_at FROM downlink_commands"
+                " WHERE seq IN (SELECT max(seq) FROM downlink_commands GROUP BY device)"
+            ).fetchall()
+            for dev, cid, name, state, updated in rows:
+                if dev in out:
+                    out[dev]["last_command"] = {"id": cid, "name": name, "state": state, "at": updated}
+    finally:
+        conn.close()
+    return out

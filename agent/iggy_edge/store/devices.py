@@ -99,6 +99,10 @@ class DeviceBounds(OutboxBase):
             f"{s.max_topics_per_device} topics in the buffer",
         )
 
+    def backlog_by_device(self) -> dict[str, tuple[int, int]]:
+        """Committed records and their accounted bytes, per device holding any."""
+        return {k: (d.records, d.bytes) for k, d in self._devices.items() if d.records}
+
     def _reserve(self, key: str, mqtt_topic: str) -> None:
         d = self._devices.get(key)
         if d is None:
