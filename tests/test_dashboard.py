@@ -172,6 +172,7 @@ async def _feed(broker: Broker, stop: asyncio.Event) -> None:
     go on until `stop`."""
     await publish_all(broker.host, broker.port, "t-quiet", [("edge/quiet-1/up/env", b'{"t":20.5}')])
     await publish_all(broker.host, broker.port, "t-status", [("edge/env-1/status", b"online")], retain=True)
+    await publish_all(broker.host, broker.port, "t-empty", [("edge/env-2/up/env", b"")])  # a dead letter
     i = 0
     while not stop.is_set():
         i += 1
@@ -217,6 +218,9 @@ async def test_device_view_and_dashboard_in_a_real_browser(broker: Broker, tmp_p
         assert two >= 10
         assert 5 * two - 5 <= one <= 5 * two + 5  # five a round against one
         assert by_id["env-1"]["rate_per_s"] > by_id["env-2"]["rate_per_s"] > 0
+        assert by_id["env-2"]["dead_letters"] == {"empty_payload": 1}
+        assert by_id["env-1"]["dead_letters"] == {}
+        assert by_id["env-1"]["last_command"] is None
 
         status, ctype, page = await asyncio.to_thread(_get, f"{base}/")
         assert ctype.startswith("text/html")
@@ -236,6 +240,7 @@ async def test_device_view_and_dashboard_in_a_real_browser(broker: Broker, tmp_p
     assert rows["env-1"][0] == ""
     assert rows["env-1"][1][1] == "online"
     assert int(rows["env-1"][1][3].replace(",", "")) >= one
+    assert rows["env-2"][1][9] == "empty_payload 1"
     assert rendered.state == "healthy"
     assert rendered.cards["devices"] == "3"
     # both rate lines and the backlog line, each with one point per interval

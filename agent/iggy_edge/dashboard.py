@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
+from .devices import device_prefix, read_extras
 from .metrics import DEAD_LETTER_REASONS, DROP_REASONS, Metrics
 
 if TYPE_CHECKING:
@@ -122,12 +123,25 @@ def overview(agent: Agent, samples: Samples) -> dict[str, Any]:
     }
 
 
-def devices_doc(agent: Agent) -> dict[str, Any]:
+async def devices_doc(agent: Agent) -> dict[str, Any]:
+    """Every device heard from, with what the buffer, the receipts and the
+    return path know of it (devices.read_extras reads the file in a thread)."""
     stale_s = agent.settings.metrics.device_stale_s
     rows = agent.devices.rows()
     held = agent.receipts.unreceipted() if agent.receipts is not None else {}
+    outbox = agent.outbox
+    backlog = outbox.backlog_by_device() if outbox is not None else {}
+    total = outbox.records if outbox is not None else 0
+    extras = await asyncio.to_thread(
+        read_extras, agent.settings.buffer_path, device_prefix(agent.settings), {r["device"] for r in rows}
+    )
     for row in rows:
+        dev = row["device"]
         row["stale"] = row["silent_s"] > stale_s
-        age = held.get(row["device"])
+        age = held.get(dev)
         row["unreceipted_age_s"] = None if age is None else round(age, 1)
+        records, size = backlog.get(dev, (0, 0))
+        row["buffered"], row["buffered_bytes"] = records, size
+        row["buffer_share"] = round(records / total, 4) if total else None
+        row.update(extras.get(dev, {}))
     return {"gateway": agent.settings.gateway_id, "stale_after_s": stale_s, "devices": rows}

@@ -291,7 +291,7 @@ class MetricsServer:
                 return
         self._waiting.pop(writer, None)
         try:
-            status, ctype, body = self._respond(head)
+            status, ctype, body = await self._respond(head)
             method = head.split(b" ", 1)[0]
             writer.write(
                 (
@@ -310,7 +310,7 @@ class MetricsServer:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await wait_for(writer.wait_closed(), 1.0)
 
-    def _respond(self, head: bytes) -> tuple[int, str, bytes]:
+    async def _respond(self, head: bytes) -> tuple[int, str, bytes]:
         try:
             method, target, _ = head.split(b"\r\n", 1)[0].decode("ascii").split(" ", 2)
         except (UnicodeDecodeError, ValueError):
@@ -336,7 +336,7 @@ class MetricsServer:
         if path == "/api/overview":
             return 200, "application/json", _json(dashboard.overview(self._agent, self.samples))
         if path == "/devices":
-            return 200, "application/json", _json(dashboard.devices_doc(self._agent))
+            return 200, "application/json", _json(await dashboard.devices_doc(self._agent))
         return 404, "text/plain", b"not found\n"
 
 
