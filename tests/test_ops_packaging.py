@@ -238,6 +238,8 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
         "./usr/share/doc/iggy-edge/operations.md",
         "./usr/share/iggy-edge/device/iggy_device/node.py",
         "./usr/share/iggy-edge/firmware_examples/env_sensor/config.json",
+        "./usr/share/iggy-edge/prometheus/iggy-edge.rules.yml",
+        "./usr/share/iggy-edge/grafana/iggy-edge-dashboard.json",
         "./usr/bin/iggy-edge",
     ):
         assert wanted in files, wanted

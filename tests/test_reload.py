@@ -123,3 +123,29 @@ def test_plan_says_what_a_reload_takes(tmp_path: Path) -> None:
     assert p.settings.routes == new.routes
     assert p.settings.mqtt.password == running.mqtt.password
     assert not plan(running, running).changed
+
+
+def test_config_check_against_the_running_file_says_what_a_reload_takes(tmp_path: Path) -> None:
+    running = tmp_path / "running.toml"
+    new = tmp_path / "new.toml"
+    base = f'gateway_id = "gw"\nstate_dir = "{tmp_path}"\n'
+    running.write_text(base)
+    new.write_text(base + "[buffer]\nttl_s = 60\n[mqtt]\nport = 8883\n")
+    out = subprocess.run(
+        [str(AGENT), "config", "check", str(new), "--against", str(running)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    taken, restart = out.stdout.split("needs a restart (1):")
+    assert "a reload takes (1):\n  buffer.ttl_s 604800 -> 60" in taken
+    assert "mqtt.port 1883 -> 8883" in restart
+
+
+def test_the_unit_reloads_with_sighup() -> None:
+    from iggy_edge.cli.service import UNIT  # noqa: PLC0415 - the CLI's copy of the unit
+
+    packaged = (Path(__file__).resolve().parents[1] / "packaging/systemd/iggy-edge.service").read_text()
+    for unit in (packaged, UNIT):
+        assert "ExecReload=/bin/kill -HUP $MAINPID" in unit

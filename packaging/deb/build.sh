@@ -95,6 +95,11 @@ done
 install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
 install -D -m 0644 "$repo/docs/config.md" "$root/usr/share/doc/iggy-edge/config.md"
 install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
+# Alert rules and a Grafana dashboard for the Prometheus that scrapes the gateways
+install -D -m 0644 "$repo/packaging/prometheus/iggy-edge.rules.yml" \
+  "$root/usr/share/iggy-edge/prometheus/iggy-edge.rules.yml"
+install -D -m 0644 "$repo/packaging/grafana/iggy-edge-dashboard.json" \
+  "$root/usr/share/iggy-edge/grafana/iggy-edge-dashboard.json"
 mkdir -p "$root/usr/bin"
 ln -s /opt/iggy-edge/venv/bin/iggy-edge "$root/usr/bin/iggy-edge"
 

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from ..config import Settings
+from ..reload import plan
 from .common import load_or_exit
 
 app = typer.Typer(help="Validate and inspect configuration.", no_args_is_help=True)
@@ -20,9 +22,20 @@ def check(
     show: Annotated[
         bool, typer.Option("--show", help="Print the effective settings (secrets masked).")
     ] = False,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            "--against",
+            metavar="RUNNING",
+            help="The file the agent runs on: say which of FILE's changes a reload (systemctl reload"
+            " iggy-edge) takes and which need a restart.",
+        ),
+    ] = None,
 ) -> None:
     """Validate FILE; report every problem with its key and exit non-zero when there is one."""
     settings = load_or_exit(file)
+    if against is not None:
+        _reload_plan(load_or_exit(against), settings, file, against)
     if show:
         typer.echo(json.dumps(settings.model_dump(mode="json"), indent=2))
     routes = ", ".join(f"{r.filter} -> {r.stream}/{r.topic}" for r in settings.routes)
@@ -43,3 +56,14 @@ def example() -> None:
     """
     text = resources.files("iggy_edge").joinpath("examples/config.toml").read_text()
     typer.echo(text, nl=False)
+
+
+def _reload_plan(running: Settings, new: Settings, file: Path, against: Path) -> None:
+    result = plan(running, new)
+    if not result.changed:
+        typer.echo(f"{file}: no changes against {against}")
+    for title, changes in (("a reload takes", result.live), ("needs a restart", result.restart)):
+        if changes:
+            typer.echo(f"{title} ({len(changes)}):")
+            for c in changes:
+                typer.echo(f"  {c}")

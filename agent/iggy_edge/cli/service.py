@@ -53,6 +53,9 @@ StartLimitBurst=5
 Type=notify
 NotifyAccess=main
 ExecStart=/opt/iggy-edge/venv/bin/iggy-edge run -c /etc/iggy-edge/config.toml
+# `systemctl reload iggy-edge`: the agent re-reads its config and takes what it
+# can without a restart, logging what needs one (docs/operations.md).
+ExecReload=/bin/kill -HUP $MAINPID
 # Secrets (IGGY_PASSWORD, IGGY_EDGE_MQTT_PASSWORD, ...) live here, mode 0600.
 EnvironmentFile=-/etc/iggy-edge/env
 Environment=PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
