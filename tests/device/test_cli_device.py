@@ -158,15 +158,15 @@ def test_unknown_example_lists_the_real_ones() -> None:
     assert "actuator, battery_sensor, env_sensor" in out
 
 
-# -- list ----------------------------------------------------------------------------
-def test_list_shows_the_serial_ports_mpremote_sees() -> None:
+# -- ports ---------------------------------------------------------------------------
+def test_ports_shows_the_serial_ports_mpremote_sees() -> None:
     real = subprocess.run([_mpremote(), "connect", "list"], capture_output=True, text=True, check=True).stdout
     ports = device.parse_port_list(real)
-    result = CliRunner().invoke(device.app, ["list", "--json"])
+    result = CliRunner().invoke(device.app, ["ports", "--json"])
     assert result.exit_code == 0
     listed = [json.loads(line) for line in result.output.splitlines()]
     assert [p["device"] for p in listed] == [p.device for p in ports]
-    human = CliRunner().invoke(device.app, ["list"])
+    human = CliRunner().invoke(device.app, ["ports"])
     assert human.exit_code == 0
     assert ("PORT" in human.output) == bool(ports)
 

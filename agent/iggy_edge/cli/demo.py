@@ -39,6 +39,7 @@ from typing import Annotated
 import typer
 
 from ..config import ConfigError, Settings, parse_config
+from ..httpd import local_url
 from ..local_services import IggyView, PrivateIggy, ServiceError, free_port, start_mosquitto
 from ..logs import install_loop_exception_handler, setup_logging
 from ..metrics import DEAD_LETTER_REASONS, DROP_REASONS
@@ -133,6 +134,7 @@ def demo(
         else:
             typer.secho(NO_IGGY_HINT, fg=typer.colors.YELLOW)
         typer.echo(f"buffer    {settings.buffer_path}")
+        typer.echo(f"dashboard {local_url(settings.metrics.listen)}/  (open it in a browser)")
         typer.echo(f"sensors   {sensors} x {rate}/s on edge/<device>/up/env (Ctrl-C to stop)")
         plan = _Plan(sensors, rate, duration, cut_uplink_after, cut_for)
         try:

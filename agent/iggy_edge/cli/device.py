@@ -36,8 +36,8 @@ import typer
 from .. import ca_paths
 from . import device_credentials as creds
 from . import device_flash
-from .common import DEFAULT_CONFIG, fail
-from .device_receipts import show_unreceipted
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
+from .device_view import parse_duration, show_devices
 
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
 app.add_typer(creds.app, name="credentials")
@@ -736,20 +736,29 @@ def parse_port_list(output: str) -> list[Port]:
 
 
 @app.command("list")
-def list_boards(
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
-    config: Annotated[
-        Path | None,
+def list_devices(
+    config: ConfigOption = DEFAULT_CONFIG,
+    as_json: Annotated[bool, typer.Option("--json", help="The agent's /devices document.")] = False,
+    stale: Annotated[
+        str | None,
         typer.Option(
-            "--config",
-            "-c",
-            help="Agent configuration: also list the devices holding readings this gateway has not "
-            "receipted yet (default: /etc/iggy-edge/config.toml when it exists).",
+            "--stale", metavar="DURATION", help="Only devices silent longer than this (90s, 10m, 2h, 1d)."
         ),
     ] = None,
+    device: Annotated[str | None, typer.Option("--device", "-d", help="Only this device, in detail.")] = None,
 ) -> None:
-    """List serial ports (USB-serial bridges used on ESP32 boards are marked)
-    and, from the running agent, devices holding unreceipted readings."""
+    """Every device this gateway has heard from, stalest first (from the running agent)."""
+    settings = load_or_exit(config)
+    show_devices(
+        settings, as_json=as_json, stale=None if stale is None else parse_duration(stale), device=device
+    )
+
+
+@app.command("ports")
+def list_ports(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """List serial ports; the USB-serial bridges ESP32 boards use are marked."""
     try:
         output = run_mpremote([_tool("mpremote"), "connect", "list"], "list", timeout=30)
     except ProvisionError as e:
@@ -757,7 +766,8 @@ def list_boards(
     ports = parse_port_list(output)
     if as_json:
         for p in ports:
-            typer.echo(json.dumps({**p.__dict__, "bridge": p.bridge}))
+            doc = {k: (None if v == "None" else v) for k, v in p.__dict__.items()}
+            typer.echo(json.dumps({**doc, "bridge": p.bridge}))
     elif not ports:
         typer.echo("no serial ports found: plug the board in (and check the USB cable carries data)")
     else:
@@ -765,4 +775,3 @@ def list_boards(
         for p in ports:
             desc = " ".join(x for x in (p.manufacturer, p.product) if x != "None")
             typer.echo(f"{p.device:<16} {p.vid_pid:<10} {p.bridge or '-':<28} {desc}")
-    show_unreceipted(config or DEFAULT_CONFIG, explicit=config is not None, as_json=as_json)
