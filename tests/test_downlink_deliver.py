@@ -19,7 +19,8 @@ from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import Ack, CommandState, make_command, make_config
 from iggy_edge.downlink.deliver import Deliverer
-from iggy_edge.downlink.inbox import Inbox, read_commands
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.views import read_commands
 from iggy_edge.metrics import Metrics
 
 from tests.support.broker import Broker

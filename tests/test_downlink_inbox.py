@@ -21,7 +21,8 @@ from iggy_edge.downlink.commands import (
     parse_ack,
     parse_command,
 )
-from iggy_edge.downlink.inbox import Inbox, read_commands, read_offsets
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.views import read_commands, read_offsets
 
 from tests.support.downlink import downlink_settings
 

@@ -36,7 +36,7 @@ from ..downlink.commands import (
     make_config,
     partition_of,
 )
-from ..downlink.inbox import read_commands, read_configs, read_offsets, request_republish
+from ..downlink.views import read_commands, read_configs, read_offsets, request_republish
 from ..uplink.iggy import send_command
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit

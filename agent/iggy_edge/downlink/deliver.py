@@ -68,7 +68,8 @@ from ..mqtt_codec import REFUSED
 from ..mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
-from .inbox import REPUBLISH, Inbox, PendingCommand, PendingConfig
+from .inbox import Inbox, PendingCommand, PendingConfig
+from .views import REPUBLISH
 
 log = logging.getLogger(__name__)
 
