@@ -235,7 +235,7 @@ async def test_ack_before_puback_is_not_overwritten(tmp_path: Path, state: Comma
     try:
         cmd = make_command("dev-1", "x")
         await put(inbox, cmd)
-        assert await inbox.apply_acks([Ack(cmd.id, "ok", None)]) == [(cmd.id, state)]
+        assert (await inbox.apply_acks([("dev-1", Ack(cmd.id, "ok", None))])).done == [(cmd.id, state)]
         # The PUBACK is processed after the device's ack: no regression to delivered.
         assert await inbox.finish([(cmd.id, CommandState.DELIVERED, "")]) == []
         assert states(settings)[cmd.id] == "acked"

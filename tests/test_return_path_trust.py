@@ -17,7 +17,9 @@ from iggy_edge.downlink import poll as poll_module
 from iggy_edge.downlink.commands import (
     INVALID_COMMAND,
     MAX_TIME,
+    Ack,
     Command,
+    CommandState,
     InvalidCommand,
     commands_topic,
     make_command,
@@ -26,14 +28,25 @@ from iggy_edge.downlink.commands import (
     partition_of,
     read_command,
 )
+from iggy_edge.downlink.component import ACK_WRONG_DEVICE
 from iggy_edge.downlink.inbox import Inbox, RowRefused
 from iggy_edge.downlink.poll import TOO_MANY_CONFIG_DEVICES
 from iggy_edge.downlink.views import read_commands, read_configs
 from iggy_edge.uplink.memory import MemoryIggy
 
+from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
 from tests.support.downlink import downlink_settings
-from tests.support.return_path import device, poll_harness, running, send, send_raw, states, stored_offset
+from tests.support.return_path import (
+    device,
+    poll_harness,
+    publish,
+    running,
+    send,
+    send_raw,
+    states,
+    stored_offset,
+)
 from tests.support.wait import async_wait_until
 
 
@@ -209,3 +222,53 @@ async def test_configs_beyond_max_config_devices_are_dead_lettered(tmp_path: Pat
         assert h.metrics.value("iggy_edge_store_dead_letters_total", reason=TOO_MANY_CONFIG_DEVICES) == 2
         payloads = await h.inbox.due_configs(10)
         assert {c.device: json.loads(c.payload) for c in payloads}["dev-0"] == {"v": 2}
+
+
+# -- item 3: an ack counts only from the device the command was addressed to
+
+
+async def test_another_devices_ack_is_refused_counted_and_dead_lettered(
+    tmp_path: Path, broker: Broker
+) -> None:
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    async with device(broker, "edge/dev-a/down/cmd") as dev, running(settings, iggy) as r:
+        await wait_subscribed(r.agent)  # device acks come in through ingest
+        cmd = make_command("dev-a", "open-the-door")
+        send(iggy, settings, cmd)
+        await async_wait_until(lambda: dev.ids() == [cmd.id], what="dev-a got its command")
+        await async_wait_until(lambda: states(settings)[cmd.id] == "delivered", what="delivered")
+        forged = json.dumps({"id": cmd.id, "status": "ok"}).encode()
+        await publish(broker, "edge/dev-b/up/ack", forged)
+        await async_wait_until(
+            lambda: any(d.reason == ACK_WRONG_DEVICE for d in read_dead_letters(settings.buffer_path)),
+            what="the forged ack dead-lettered",
+        )
+        (dead,) = read_dead_letters(settings.buffer_path)
+        assert (dead.mqtt_topic, dead.payload) == (b"edge/dev-b/up/ack", forged)
+        assert "'dev-a'" in dead.detail
+        assert "'dev-b'" in dead.detail
+        assert states(settings)[cmd.id] == "delivered"
+        assert r.metric("iggy_edge_downlink_errors_total", kind=ACK_WRONG_DEVICE) == 1
+        assert r.metric("iggy_edge_store_dead_letters_total", reason=ACK_WRONG_DEVICE) == 1
+        assert r.metric("iggy_edge_downlink_commands_total", state="acked") == 0
+        # The device the command is for still acknowledges it.
+        await publish(broker, "edge/dev-a/up/ack", forged)
+        await async_wait_until(lambda: states(settings)[cmd.id] == "acked", what="dev-a's own ack counts")
+        assert r.metric("iggy_edge_downlink_commands_total", state="acked") == 1
+
+
+async def test_another_devices_ack_while_received_does_not_suppress_delivery(tmp_path: Path) -> None:
+    settings = downlink_settings(tmp_path)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    try:
+        cmd = make_command("dev-a", "open-the-door")
+        await inbox.store_polled("edge", "t", 0, 0, [(cmd, "t/0@0")])
+        got = await inbox.apply_acks([("dev-b", Ack(cmd.id, "ok", None))])
+        assert (got.done, got.wrong_device) == ([], [(0, "dev-a")])
+        assert [c.id for c in await inbox.due_commands(10)] == [cmd.id]  # still to be delivered
+        got = await inbox.apply_acks([("dev-a", Ack(cmd.id, "ok", None))])
+        assert got.done == [(cmd.id, CommandState.ACKED)]
+        assert await inbox.due_commands(10) == []
+    finally:
+        await inbox.close()

@@ -140,6 +140,12 @@ class RowRefused(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class AckResult:
+    done: list[tuple[str, CommandState]]  # (command id, new state)
+    wrong_device: list[tuple[int, str]]  # (index of the ack, the device the command is for)
+
+
+@dataclass(frozen=True, slots=True)
 class StoredBatch:
     """What one `store_polled` transaction did."""
 
@@ -360,14 +366,37 @@ class Inbox:
         detail); returns the transitions that happened."""
         return await self._transition(updates, (RECEIVED,), now)
 
-    async def apply_acks(
-        self, acks: Iterable[Ack], *, now: float | None = None
-    ) -> list[tuple[str, CommandState]]:
-        """Record device acks.  Also from `received`: the device can answer
-        before the broker's PUBACK reaches us, and an acked command must not
-        be published again."""
-        updates = [(a.id, a.state, "" if a.error is None else f"device: {a.error}") for a in acks]
-        return await self._transition(updates, (RECEIVED, CommandState.DELIVERED.value), now)
+    async def apply_acks(self, acks: Iterable[tuple[str, Ack]], *, now: float | None = None) -> AckResult:
+        """Record device acks, each (the device it came from, the ack).  An
+        ack counts only for a command addressed to that device; one naming
+        another device's command changes nothing and is returned in
+        `AckResult.wrong_device`.  Also from `received`: the device can
+        answer before the broker's PUBACK reaches us, and an acked command
+        must not be published again."""
+        now = time.time() if now is None else now
+        result = AckResult([], [])
+        items = list(acks)
+        if not items:
+            return result
+        async with self._transaction():
+            for i, (device, ack) in enumerate(items):
+                before = self._conn.total_changes
+                detail = "" if ack.error is None else f"device: {ack.error}"
+                await self._conn.execute(
+                    "UPDATE downlink_commands SET state = ?, detail = ?, updated_at = ?"
+                    " WHERE id = ? AND device = ? AND state IN (?, ?)",
+                    (ack.state.value, detail, now, ack.id, device, RECEIVED, CommandState.DELIVERED.value),
+                )
+                if self._conn.total_changes != before:
+                    result.done.append((ack.id, ack.state))
+                    continue
+                async with self._conn.execute(
+                    "SELECT device FROM downlink_commands WHERE id = ?", (ack.id,)
+                ) as cur:
+                    row = await cur.fetchone()
+                if row is not None and row[0] != device:
+                    result.wrong_device.append((i, str(row[0])))
+        return result
 
     async def _transition(
         self,
