@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.cli.device_credentials import CredentialsError, check_device_id
+from iggy_edge.cli.main import app
 from iggy_edge.downlink import poll as poll_module
 from iggy_edge.downlink.commands import (
     INVALID_COMMAND,
@@ -33,6 +34,7 @@ from iggy_edge.downlink.inbox import Inbox, RowRefused
 from iggy_edge.downlink.poll import TOO_MANY_CONFIG_DEVICES
 from iggy_edge.downlink.views import read_commands, read_configs
 from iggy_edge.uplink.memory import MemoryIggy
+from typer.testing import CliRunner
 
 from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
@@ -272,3 +274,30 @@ async def test_another_devices_ack_while_received_does_not_suppress_delivery(tmp
         assert await inbox.due_commands(10) == []
     finally:
         await inbox.close()
+
+
+# -- item 9: `command list` prints untrusted text escaped
+
+
+async def test_command_list_escapes_what_the_cloud_side_and_devices_wrote(tmp_path: Path) -> None:
+    settings = downlink_settings(tmp_path)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    try:
+        # Rows as an older agent (or anything writing the file) could have
+        # left them: past today's parser, which refuses such a device id.
+        red = "\x1b[31m"
+        cmd = Command(f"id{red}", f"dev{red}", f"name{red}\u202e", {}, 1.7e9, 1.8e9)
+        await inbox.store_polled("edge", "t", 0, 0, [(cmd, "t/0@0")])
+        await inbox.apply_acks([(cmd.device, Ack(cmd.id, "error", f"boom{red}\x07"))])
+    finally:
+        await inbox.close()
+    config = tmp_path / "config.toml"
+    config.write_text(f'gateway_id = "gw-test"\nstate_dir = "{settings.state_dir}"\n')
+    # color=True: click would strip ANSI sequences from what a test sees, not from a terminal.
+    result = CliRunner().invoke(app, ["command", "list", "-c", str(config)], color=True)
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output
+    assert "\x07" not in result.output
+    assert "\u202e" not in result.output
+    assert "dev\\x1b[31m" in result.output
+    assert "device: boom\\x1b[31m\\x07" in result.output
