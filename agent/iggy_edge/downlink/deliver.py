@@ -273,15 +273,16 @@ class Deliverer:
         it.  Those after a missing PUBACK are left out, to keep per-device
         order: they go out again after reconnecting."""
         if futures:
+            # Until every PUBACK is in, the connection is lost, or the timeout.
             lost = asyncio.ensure_future(self._lost.wait())
+            acked = asyncio.ensure_future(asyncio.wait(futures))
             try:
                 await asyncio.wait(
-                    [asyncio.ensure_future(asyncio.wait(futures)), lost],
-                    timeout=self._dl.publish_timeout_s,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    [acked, lost], timeout=self._dl.publish_timeout_s, return_when=asyncio.FIRST_COMPLETED
                 )
             finally:
                 lost.cancel()
+                acked.cancel()
         out: list[str] = []
         for f in futures:
             if not (f.done() and not f.cancelled() and f.exception() is None):

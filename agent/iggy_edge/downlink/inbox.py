@@ -37,6 +37,7 @@ Design
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -296,18 +297,12 @@ class Inbox:
 
     async def config_devices(self, devices: Iterable[str]) -> tuple[int, set[str]]:
         """How many devices have a desired config, and which of `devices` do."""
-        wanted = sorted(set(devices))
-        rows = await self._fetchall("SELECT count(*) FROM downlink_config")
-        known: set[str] = set()
-        for i in range(0, len(wanted), 500):
-            chunk = wanted[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            got = await self._fetchall(
-                f"SELECT device FROM downlink_config WHERE device IN ({marks})",  # noqa: S608 - placeholders only
-                tuple(chunk),
-            )
-            known.update(r[0] for r in got)
-        return int(rows[0][0]), known
+        count = await self._fetchall("SELECT count(*) FROM downlink_config")
+        rows = await self._fetchall(
+            "SELECT device FROM downlink_config WHERE device IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(set(devices))),),
+        )
+        return int(count[0][0]), {r[0] for r in rows}
 
     # -- the deliverer's side ---------------------------------------------------
 
