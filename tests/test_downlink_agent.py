@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import gmqtt
 import pytest
-from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import (
@@ -30,7 +26,7 @@ from iggy_edge.downlink.commands import (
     make_config,
     partition_of,
 )
-from iggy_edge.downlink.inbox import read_commands, read_offsets
+from iggy_edge.downlink.views import read_commands
 from iggy_edge.runtime import build_agent
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command
@@ -38,94 +34,21 @@ from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
-from tests.support.downlink import DeviceSubscriber, FreezableProxy, Received, downlink_settings
+from tests.support.downlink import FreezableProxy, downlink_settings
 from tests.support.iggy_server import IggyServer
+from tests.support.return_path import (
+    MARKER,
+    Running,
+    before_marker,
+    device,
+    publish,
+    running,
+    send,
+    send_raw,
+    states,
+    stored_offset,
+)
 from tests.support.wait import async_wait_until
-
-
-def states(settings: Settings) -> dict[str, str]:
-    """Command id -> state, in arrival order (the CLI lists newest first)."""
-    return {r.id: r.state for r in reversed(read_commands(settings.buffer_path, limit=10_000))}
-
-
-def send(iggy: MemoryIggy, settings: Settings, cmd: Command) -> int:
-    """What the cloud side does: the gateway's command topic, the device's partition."""
-    return iggy.publish("edge", commands_topic(settings), partition_of(cmd.device, settings), cmd.wire())
-
-
-def send_raw(iggy: MemoryIggy, settings: Settings, device: str, payload: bytes) -> int:
-    return iggy.publish("edge", commands_topic(settings), partition_of(device, settings), payload)
-
-
-class Running:
-    def __init__(self, settings: Settings, iggy: MemoryIggy) -> None:
-        self.agent = build_agent(
-            settings, uplink=iggy.uplink(), command_source=iggy.command_source(consumer_name(settings))
-        )
-        self.task: asyncio.Task[None] | None = None
-
-    async def start(self) -> Running:
-        self.task = asyncio.create_task(self.agent.run(), name="agent-under-test")
-        await asyncio.wait_for(self.agent.ready.wait(), 10)
-        return self
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.agent.metrics.value(name, **labels)
-
-    async def stop(self) -> None:
-        assert self.task is not None
-        self.agent.stop()
-        await asyncio.wait_for(self.task, 15)
-
-    async def hard_kill(self) -> None:
-        assert self.task is not None
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-
-
-@contextlib.asynccontextmanager
-async def running(settings: Settings, iggy: MemoryIggy) -> AsyncIterator[Running]:
-    r = await Running(settings, iggy).start()
-    try:
-        yield r
-    finally:
-        assert r.task is not None
-        if not r.task.done():
-            await r.stop()
-
-
-@contextlib.asynccontextmanager
-async def device(broker: Broker, topic_filter: str = "edge/+/down/#") -> AsyncIterator[DeviceSubscriber]:
-    dev = await DeviceSubscriber(broker.host, broker.port, topic_filter).start()
-    try:
-        yield dev
-    finally:
-        await dev.stop()
-
-
-MARKER = json.dumps({"marker": True}).encode()
-
-
-def before_marker(messages: list[Received]) -> list[Received]:
-    """The messages a subscriber got before the MARKER (published later by
-    another client: what the broker sent before it, it sent first)."""
-    return list(itertools.takewhile(lambda m: m.payload != MARKER, messages))
-
-
-async def publish(broker: Broker, topic: str, payload: bytes) -> None:
-    client = gmqtt.Client("test-device-ack", clean_session=True)
-    await client.connect(broker.host, broker.port, version=MQTTv50)
-    client.publish(topic, payload, qos=1)
-    await client.disconnect()
-
-
-def stored_offset(settings: Settings, topic: str, partition: int) -> int | None:
-    for stream, t, p, last, _ in read_offsets(settings.buffer_path):
-        if (stream, t, p) == ("edge", topic, partition):
-            return last
-    return None
-
 
 # -- end to end -------------------------------------------------------------------
 

@@ -17,9 +17,11 @@ import gmqtt
 import pytest
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.config import Settings
-from iggy_edge.downlink.commands import Ack, CommandState, make_command, make_config
+from iggy_edge.downlink.commands import Ack, Command, CommandState, DesiredConfig, make_command, make_config
 from iggy_edge.downlink.deliver import Deliverer
-from iggy_edge.downlink.inbox import Inbox, read_commands
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.inflight import POISON_STRIKES
+from iggy_edge.downlink.views import read_commands
 from iggy_edge.metrics import Metrics
 
 from tests.support.broker import Broker
@@ -187,9 +189,9 @@ async def test_retained_config_late_subscriber_gets_only_the_newest(tmp_path: Pa
         await late.stop()
 
 
-def _config_state(settings: Settings) -> str:
+def _config_state(settings: Settings, device: str = "dev-1") -> str:
     with contextlib.closing(sqlite3.connect(settings.buffer_path)) as c:
-        row = c.execute("SELECT state FROM downlink_config WHERE device = 'dev-1'").fetchone()
+        row = c.execute("SELECT state FROM downlink_config WHERE device = ?", (device,)).fetchone()
     return "" if row is None else str(row[0])
 
 
@@ -233,10 +235,67 @@ async def test_ack_before_puback_is_not_overwritten(tmp_path: Path, state: Comma
     try:
         cmd = make_command("dev-1", "x")
         await put(inbox, cmd)
-        assert await inbox.apply_acks([Ack(cmd.id, "ok", None)]) == [(cmd.id, state)]
+        assert (await inbox.apply_acks([("dev-1", Ack(cmd.id, "ok", None))])).done == [(cmd.id, state)]
         # The PUBACK is processed after the device's ack: no regression to delivered.
         assert await inbox.finish([(cmd.id, CommandState.DELIVERED, "")]) == []
         assert states(settings)[cmd.id] == "acked"
         assert await inbox.due_commands(10) == []
     finally:
         await inbox.close()
+
+
+async def test_a_publish_that_drops_the_connection_is_failed_and_the_queue_goes_on(tmp_path: Path) -> None:
+    # Mosquitto drops a client whose packet is over its max_packet_size: a
+    # command the parser accepts (2 KB, under what devices take) that this
+    # broker cannot take.  It is the oldest, so it is re-sent first.
+    broker = Broker(tmp_path / "broker", extra_conf="max_packet_size 1500\n").start()
+    settings = downlink_settings(tmp_path, broker, mqtt={"reconnect_min_s": 0.2, "reconnect_max_s": 0.5})
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/cmd").start()
+    try:
+        async with deliverer(settings) as (d, inbox, metrics):
+            poison = make_command("dev-1", "big", {"blob": "x" * 2000})
+            healthy = [make_command(f"dev-{i}", "small", {"i": i}) for i in range(3)]
+            await put(inbox, poison, *healthy)
+            started = time.monotonic()
+            d.wake()
+            await async_wait_until(
+                lambda: all(states(settings)[c.id] == "delivered" for c in healthy),
+                timeout=30,
+                what="the commands behind the poison are delivered",
+            )
+            waited = time.monotonic() - started
+            assert states(settings)[poison.id] == "failed"
+            row = next(r for r in read_commands(settings.buffer_path) if r.id == poison.id)
+            assert "dropped the connection" in row.detail
+            await async_wait_until(lambda: len(dev.ids()) == 3, what="the device got the healthy ones")
+            assert sorted(dev.ids()) == sorted(c.id for c in healthy)
+            assert metrics.value("iggy_edge_downlink_commands_total", state="failed") == 1
+            assert metrics.value("iggy_edge_downlink_errors_total", kind="publish_dropped") == POISON_STRIKES
+            print(f"healthy commands behind the poison waited {waited:.2f}s")
+    finally:
+        await dev.stop()
+        broker.stop()
+
+
+async def test_an_inbox_row_that_is_not_a_device_id_is_failed_without_publishing(
+    tmp_path: Path, broker: Broker
+) -> None:
+    # Written into the inbox past the parser (the inbox is our boundary): a
+    # NUL in the topic makes Mosquitto drop the connection.
+    settings = downlink_settings(tmp_path, broker)
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
+    try:
+        async with deliverer(settings) as (d, inbox, metrics):
+            poison = Command("p1", "dev\x00x", "n", {}, time.time(), time.time() + 3600)
+            bad_cfg = DesiredConfig("c1", "dev\x1bx", {"a": 1}, time.time())
+            healthy = make_command("dev-1", "after")
+            await put(inbox, poison, bad_cfg, healthy)
+            d.wake()
+            await async_wait_until(lambda: dev.ids() == [healthy.id], what="the healthy command arrives")
+            await async_wait_until(lambda: states(settings)[poison.id] == "failed", what="poison failed")
+            row = next(r for r in read_commands(settings.buffer_path) if r.id == poison.id)
+            assert "not published" in row.detail
+            assert _config_state(settings, "dev\x1bx") == "failed"
+            assert metrics.value("iggy_edge_downlink_commands_total", state="failed") == 1
+    finally:
+        await dev.stop()

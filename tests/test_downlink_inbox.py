@@ -21,7 +21,8 @@ from iggy_edge.downlink.commands import (
     parse_ack,
     parse_command,
 )
-from iggy_edge.downlink.inbox import Inbox, read_commands, read_offsets
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.views import read_commands, read_offsets
 
 from tests.support.downlink import downlink_settings
 
@@ -134,9 +135,9 @@ async def test_state_transitions_are_guarded(tmp_path: Path) -> None:
         assert await inbox.finish([(a.id, CommandState.DELIVERED, "")]) == [(a.id, CommandState.DELIVERED)]
         # Only `received` rows leave `received`: a second delivery record is a no-op.
         assert await inbox.finish([(a.id, CommandState.DELIVERED, "")]) == []
-        assert await inbox.apply_acks([Ack(a.id, "ok", None)]) == [(a.id, CommandState.ACKED)]
+        assert (await inbox.apply_acks([("d1", Ack(a.id, "ok", None))])).done == [(a.id, CommandState.ACKED)]
         # A late ack cannot revive an expired command.
-        assert await inbox.apply_acks([Ack(old.id, "ok", None)]) == []
+        assert (await inbox.apply_acks([("d1", Ack(old.id, "ok", None))])).done == []
         assert await inbox.waiting() == 1
         again = await inbox.store_polled("edge", "t", 0, 3, [(a, "s")])
         assert (again.new, again.duplicates) == (0, 1)

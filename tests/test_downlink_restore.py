@@ -33,7 +33,8 @@ from iggy_edge.downlink.commands import (
     make_config,
     partition_of,
 )
-from iggy_edge.downlink.inbox import Inbox, read_commands
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.views import read_commands
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 

@@ -349,6 +349,10 @@ class DownlinkSettings(_Model):
     # what its last autosave wrote (Mosquitto's autosave_interval, 1800 s by
     # default).  0 = off.
     republish_recent_s: Annotated[int, Field(ge=0, le=TEN_YEARS_S)] = 1800
+    # Devices that may have a desired config (each one a retained message of
+    # up to 4 KiB in the broker); a config for one more device is a dead
+    # letter (docs/return-path.md, "Outages and bounds").
+    max_config_devices: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
 
     @field_validator("stream", "commands_topic", "config_topic")
     @classmethod

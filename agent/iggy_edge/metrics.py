@@ -21,17 +21,15 @@ DROP_REASONS: Final = (
     "qos0_queue_full",
 )
 DEAD_LETTER_REASONS: Final = (
-    "oversize",
-    "unroutable",
-    "invalid_topic",
-    "empty_payload",
-    "too_many_topics",
-    "too_many_devices",
-    "invalid_command",
+    *("oversize", "unroutable", "invalid_topic", "empty_payload", "too_many_topics", "too_many_devices"),
+    *("invalid_command", "too_many_config_devices", "ack_wrong_device"),
 )
 FORWARD_ERROR_KINDS: Final = ("unavailable", "ambiguous", "rejected")
 COMMAND_STATES: Final = ("received", "delivered", "acked", "expired", "failed")
-DOWNLINK_ERROR_KINDS: Final = ("poll", "mirror", "deliver", "ack_queue_full")
+DOWNLINK_ERROR_KINDS: Final = (
+    *("poll", "mirror", "deliver", "ack_queue_full"),
+    *("unstorable", "publish_dropped", "ack_wrong_device"),
+)
 
 
 class Metrics:

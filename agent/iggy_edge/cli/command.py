@@ -35,8 +35,9 @@ from ..downlink.commands import (
     make_command,
     make_config,
     partition_of,
+    printable,
 )
-from ..downlink.inbox import read_commands, read_configs, read_offsets, request_republish
+from ..downlink.views import read_commands, read_configs, read_offsets, request_republish
 from ..uplink.iggy import send_command
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
@@ -94,7 +95,10 @@ def send(
 
 
 def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds (rows the parser refuses now)
+        return f"{ts:.0f}"
 
 
 @app.command("list")
@@ -120,8 +124,11 @@ def list_commands(
     else:
         typer.echo(f"{'ID':<18} {'DEVICE':<16} {'NAME':<16} {'STATE':<10} {'UPDATED':<19} DETAIL")
         for r in rows:
+            # Ids, names and the device's error text come from the cloud side
+            # and the devices: escaped, so no escape sequence reaches the terminal.
+            cid, dev, name, state = (printable(v) for v in (r.id, r.device, r.name, r.state))
             typer.echo(
-                f"{r.id:<18} {r.device:<16} {r.name:<16} {r.state:<10} {_when(r.updated_at):<19} {r.detail}"
+                f"{cid:<18} {dev:<16} {name:<16} {state:<10} {_when(r.updated_at):<19} {printable(r.detail)}"
             )
     for stream, topic, partition, last, mirrored in offsets:
         lag = "" if mirrored == last else f" (server has {mirrored})"

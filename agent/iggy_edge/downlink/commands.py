@@ -24,6 +24,23 @@ reason ``invalid_command``.  That includes a command or config whose payload
 for the device (``device_payload()``) is over `MAX_DEVICE_PAYLOAD_BYTES`:
 the device library throws such messages away unread (its ``msg_max_bytes``,
 4096 by default), so sending one could only lose it.
+
+The trust boundary
+------------------
+An Iggy message is whatever the cloud side (or anyone with write access to
+the gateway's topics) put there: any bytes.  `read_command` and
+`read_config` are the boundary functions: they turn ANY payload into a
+value or a `Refused` (reason and detail) and never raise, so one message
+can never stop the return poll.  What passes is safe for every later step
+(the inbox insert, ``device_payload()``, a PUBLISH, ``command list``):
+
+* the message is at most `MAX_MESSAGE_BYTES` before it is parsed;
+* every string (keys included) is encodable as UTF-8 (no lone surrogates);
+* nesting is at most `MAX_DEPTH` levels; integers fit in 64 bits signed;
+  floats are finite (``NaN``/``Infinity`` are refused);
+* times are unix seconds in 0..`MAX_TIME` (the end of year 9999): a time
+  beyond that is refused, not clamped -- it cannot be printed, and a sender
+  that means "never expires" should say so with a long TTL it can read back.
 """
 
 from __future__ import annotations
@@ -45,6 +62,14 @@ MAX_NAME_CHARS: Final = 64
 # What a device accepts on down/cmd and down/config: the device library's
 # default msg_max_bytes (device/iggy_device/config.py).
 MAX_DEVICE_PAYLOAD_BYTES: Final = 4096
+# An Iggy message bigger than this is refused before it is parsed: what the
+# device accepts is 4096 bytes, so 64 KiB leaves room for whitespace and
+# escapes while bounding what one message can cost to parse.
+MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_DEPTH: Final = 32  # nesting levels of args / config (the device parses with recursion)
+MAX_INT: Final = 2**63 - 1
+MAX_TIME: Final = 253_402_300_799.0  # 9999-12-31T23:59:59Z: the last second datetime can print
+INVALID_COMMAND: Final = "invalid_command"  # the dead-letter reason of a refused message
 _SEP: Final = (",", ":")
 
 
@@ -162,8 +187,12 @@ def device_topic(template: str, device: str) -> str:
 
 
 def _object(payload: bytes) -> dict[str, Any]:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise InvalidCommand(f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise InvalidCommand(f"payload is {len(payload)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        doc = json.loads(payload)
+        doc = json.loads(bytes(payload))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidCommand(f"payload is not JSON: {e}") from None
     if not isinstance(doc, dict):
@@ -191,8 +220,10 @@ def _time(doc: dict[str, Any], key: str, default: float) -> float:
     value = doc.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidCommand(f"{key!r} must be a unix time in seconds")
+    if not 0 <= value <= MAX_TIME:  # no float(): a 400-digit int would overflow it
+        raise InvalidCommand(f"{key!r} must be a unix time in seconds, 0..{MAX_TIME:.0f} (year 9999)")
     return float(value)
 
 
@@ -201,11 +232,14 @@ def parse_command(payload: bytes, *, now: float, default_ttl_s: float) -> Comman
     cid = _text(doc, "id", MAX_ID_CHARS)
     device = _device(doc)
     name = _text(doc, "name", MAX_NAME_CHARS)
+    _check_value(cid, "id")
+    _check_value(name, "name")
     args = doc.get("args", {})
     if args is None:
         args = {}
     if not isinstance(args, dict):
         raise InvalidCommand("'args' must be a JSON object")
+    _check_value(args, "args")
     created = _time(doc, "created_at", now)
     expires = _time(doc, "expires_at", created + default_ttl_s)
     return _fits(Command(cid, device, name, args, created, expires))
@@ -217,11 +251,47 @@ def parse_config(payload: bytes, *, now: float, fallback_id: str) -> DesiredConf
     config = doc.get("config")
     if not isinstance(config, dict):
         raise InvalidCommand("'config' must be a JSON object")
+    _check_value(config, "config")
     raw_id = doc.get("id", doc.get("version"))
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int)):
+        raise InvalidCommand("config 'id'/'version' must be a string or an integer")
+    if isinstance(raw_id, int) and abs(raw_id) > MAX_INT:
+        raise InvalidCommand("config 'id'/'version' must be an integer of 64 bits")
     cid = fallback_id if raw_id is None else str(raw_id)
+    _check_value(cid, "id")
     if not 1 <= len(cid) <= MAX_ID_CHARS:
         raise InvalidCommand(f"config 'id'/'version' must be 1..{MAX_ID_CHARS} characters")
     return _fits(DesiredConfig(cid, device, config, _time(doc, "created_at", now)))
+
+
+def _check_value(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse what a later step could not encode (module docstring: the trust boundary)."""
+    if depth > MAX_DEPTH:
+        raise InvalidCommand(f"{where!r} nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidCommand(
+                f"{where!r} holds a string that is not valid Unicode (a lone surrogate)"
+            ) from None
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int):
+        if abs(value) > MAX_INT:
+            raise InvalidCommand(f"{where!r} holds an integer beyond 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidCommand(f"{where!r} holds NaN or Infinity, which JSON does not have")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_value(k, where, depth + 1)
+            _check_value(v, where, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_value(v, where, depth + 1)
+    else:
+        raise InvalidCommand(f"{where!r} holds a {type(value).__name__}, not a JSON value")
 
 
 _Msg = TypeVar("_Msg", Command, DesiredConfig)
@@ -236,6 +306,46 @@ def _fits(msg: _Msg) -> _Msg:
             " devices accept (msg_max_bytes)"
         )
     return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a message cannot be used: the dead-letter reason and a printable detail."""
+
+    reason: str
+    detail: str
+
+
+MAX_DETAIL_CHARS: Final = 500
+
+
+def printable(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text` with everything a terminal or an encoder could trip on escaped
+    (control and format characters, surrogates), at most `limit` characters."""
+    out = "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in text
+    )
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def read_command(payload: bytes, *, now: float, default_ttl_s: float) -> Command | Refused:
+    """Trust boundary: ANY Iggy payload -> a usable command, or why not.  Never raises."""
+    try:
+        return parse_command(payload, now=now, default_ttl_s=default_ttl_s)
+    except InvalidCommand as e:
+        return Refused(INVALID_COMMAND, printable(str(e)))
+    except Exception as e:  # noqa: BLE001 - the boundary: whatever breaks on this input is its fault
+        return Refused(INVALID_COMMAND, printable(f"cannot parse the command: {type(e).__name__}: {e}"))
+
+
+def read_config(payload: bytes, *, now: float, fallback_id: str) -> DesiredConfig | Refused:
+    """Trust boundary: ANY Iggy payload -> a usable desired config, or why not.  Never raises."""
+    try:
+        return parse_config(payload, now=now, fallback_id=fallback_id)
+    except InvalidCommand as e:
+        return Refused(INVALID_COMMAND, printable(str(e)))
+    except Exception as e:  # noqa: BLE001 - the boundary, as read_command
+        return Refused(INVALID_COMMAND, printable(f"cannot parse the config: {type(e).__name__}: {e}"))
 
 
 def parse_ack(payload: bytes) -> Ack | None:

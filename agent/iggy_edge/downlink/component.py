@@ -16,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Final
 
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..routing import topic_matches
-from ..stages import ReturnPathHost
+from ..stages import DeadLetterSink, ReturnPathHost
 from ..uplink.protocol import CommandSource, UplinkError
-from .commands import parse_ack
+from .commands import Ack, parse_ack, printable
 from .deliver import Deliverer
 from .inbox import Inbox
 from .poll import ReturnPoll
@@ -32,26 +33,52 @@ from .poll import ReturnPoll
 log = logging.getLogger(__name__)
 
 ACK_QUEUE: Final = 10_000
+ACK_WRONG_DEVICE: Final = "ack_wrong_device"
 ACK_BATCH: Final = 500
 PRUNE_INTERVAL_S: Final = 3600.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    device: str | None  # from the topic; None when the filter has no `+` to name it
+    topic: str
+    payload: bytes
+
+
 class AckListener:
     """Sees every committed ingest message (`observe`, synchronous, never
-    raises) and records the device acks among them in the inbox."""
+    raises) and records the device acks among them in the inbox.
 
-    def __init__(self, settings: Settings, inbox: Inbox, metrics: Metrics) -> None:
+    The device an ack comes from is the topic level of the ack filter's
+    first ``+`` (``edge/+/up/ack``: the broker's ACL lets only that device
+    publish there).  An ack counts only for a command addressed to that
+    device: one for another device's command changes nothing, is counted
+    (``iggy_edge_downlink_errors_total{kind="ack_wrong_device"}``) and
+    dead-lettered with reason ``ack_wrong_device``."""
+
+    def __init__(
+        self, settings: Settings, inbox: Inbox, metrics: Metrics, dead_letters: DeadLetterSink
+    ) -> None:
         self._filter = settings.downlink.ack_filter.split("/")
+        self._device_level = self._filter.index("+") if "+" in self._filter else None
         self._inbox = inbox
         self._metrics = metrics
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(ACK_QUEUE)
+        self._dead_letters = dead_letters
+        self._queue: asyncio.Queue[_Seen] = asyncio.Queue(ACK_QUEUE)
         self._limited = RateLimitedLog(log)
+        if self._device_level is None:
+            log.error(
+                "downlink.ack_filter %r has no '+' level naming the device: no device ack is counted",
+                settings.downlink.ack_filter,
+            )
 
     def observe(self, topic: str, payload: bytes) -> None:
-        if not topic_matches(self._filter, topic.split("/")):
+        levels = topic.split("/")
+        if not topic_matches(self._filter, levels):
             return
+        device = None if self._device_level is None else levels[self._device_level]
         try:
-            self._queue.put_nowait(payload)
+            self._queue.put_nowait(_Seen(device, topic, payload))
         except asyncio.QueueFull:
             # The ack still went uplink; only our local state misses it.
             self._metrics.downlink_errors.labels("ack_queue_full").inc()
@@ -59,13 +86,37 @@ class AckListener:
 
     async def run(self) -> None:
         while True:
-            payloads = [await self._queue.get()]
-            while len(payloads) < ACK_BATCH and not self._queue.empty():
-                payloads.append(self._queue.get_nowait())
-            acks = [a for a in map(parse_ack, payloads) if a is not None]
-            for cid, state in await self._inbox.apply_acks(acks):
+            seen = [await self._queue.get()]
+            while len(seen) < ACK_BATCH and not self._queue.empty():
+                seen.append(self._queue.get_nowait())
+            acks: list[tuple[str, Ack]] = []
+            sources: list[_Seen] = []
+            for s in seen:
+                ack = parse_ack(s.payload)
+                if ack is not None and s.device is not None:
+                    acks.append((s.device, ack))
+                    sources.append(s)
+            result = await self._inbox.apply_acks(acks)
+            for cid, state in result.done:
                 self._metrics.commands.labels(state.value).inc()
                 log.debug("command %s: %s by the device", cid, state.value)
+            for i, addressed in result.wrong_device:
+                await self._wrong_device(sources[i], acks[i][1], addressed)
+
+    async def _wrong_device(self, seen: _Seen, ack: Ack, addressed: str) -> None:
+        self._metrics.downlink_errors.labels(ACK_WRONG_DEVICE).inc()
+        detail = printable(
+            f"ack for command {ack.id!r}, addressed to {addressed!r}, came from {seen.device!r}"
+        )
+        self._limited.warning("ack-wrong-device", "device ack refused: %s", detail)
+        await self._dead_letters.dead_letter(
+            mqtt_topic=seen.topic,
+            payload=seen.payload,
+            qos=1,
+            retain=False,
+            reason=ACK_WRONG_DEVICE,
+            detail=detail,
+        )
 
 
 class Restorer:
@@ -101,7 +152,7 @@ class Downlink:
         s = host.settings
         self.inbox = inbox
         self.deliverer = Deliverer(s, inbox, host.metrics)
-        self.acks = AckListener(s, inbox, host.metrics)
+        self.acks = AckListener(s, inbox, host.metrics, host.dead_letters)
         self.restorer = Restorer(inbox, self.deliverer)
         self.poll = ReturnPoll(
             s, source, inbox, host.dead_letters, host.metrics, on_stored=self.deliverer.wake

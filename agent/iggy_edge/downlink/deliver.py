@@ -7,7 +7,7 @@
   commands, so a fresh connection simply publishes them again.
 * PUBACK.  gmqtt's ``publish`` returns nothing; it stores each QoS1 packet in
   its ``persistent_storage`` (a constructor argument) under the packet id and
-  removes it when the PUBACK arrives.  `_PubackTracker` is that storage: it
+  removes it when the PUBACK arrives.  `PubackTracker` is that storage: it
   learns the packet id at ``push_message`` and resolves a future at
   ``remove_message_by_mid``.  gmqtt 0.8 does not parse the MQTT 5 PUBACK
   reason code, so the tracker reads it through a checked hook
@@ -21,6 +21,17 @@
   connection is dropped and everything unacknowledged is published again,
   in order, on the next one (at-least-once; the device drops repeats by
   command id).
+* Poison: a publish the broker answers by dropping the connection (a
+  PUBLISH it cannot take, e.g. over its ``max_packet_size``) must not block
+  the queue, since everything unacknowledged goes out again oldest first.
+  So after a lost connection the publishes that were unacknowledged become
+  suspects (inflight.py), and each suspect is published alone, with nothing
+  else in flight.  A suspect in flight alone when the connection is lost
+  again gets a strike; at `POISON_STRIKES` it is marked ``failed`` (its
+  reason in the detail, counted) and the others go on; an acknowledged
+  suspect is cleared.  A row whose device is not a device id (device_ids.py;
+  the poll lets none in, the inbox is only written by us) is failed without
+  publishing it.
 * Expiry: a command whose `expires_at` has passed is not published; it is
   marked expired and counted, also while the broker is unreachable.
 * Config: the newest desired config per device is published retained on
@@ -57,18 +68,20 @@ import time
 from typing import Final
 
 import gmqtt
-from gmqtt.storage import PersistentStorage
 
 from .. import gmqtt_hooks as hooks
 from ..backoff import backoff_delay
 from ..config import Settings
+from ..device_ids import device_id_problem
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
 from ..mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
-from .inbox import REPUBLISH, Inbox, PendingCommand, PendingConfig
+from .inbox import Inbox, PendingCommand, PendingConfig
+from .inflight import POISON_STRIKES, BrokerLost, PubackTracker, Suspects
+from .views import REPUBLISH
 
 log = logging.getLogger(__name__)
 
@@ -77,49 +90,8 @@ REPUBLISH_TICK_S: Final = 0.1  # a restore publishes in chunks of rate * this
 CONFIG_ID_PROPERTY: Final = "config_id"
 
 
-class BrokerLost(Exception):
-    """The deliver connection is gone or stopped acknowledging."""
-
-
-class _PubackTracker(PersistentStorage):  # type: ignore[misc]  # gmqtt is untyped
-    """gmqtt's in-flight store, extended to tell us when a PUBACK arrives."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last_mid: int | None = None
-        self._waiters: dict[int, asyncio.Future[int]] = {}
-        self._reasons: dict[int, int] = {}
-
-    def push_message(self, mid: int, raw_package: bytes) -> None:
-        super().push_message(mid, raw_package)
-        self.last_mid = mid
-
-    def remove_message_by_mid(self, mid: int) -> None:
-        super().remove_message_by_mid(mid)
-        waiter = self._waiters.pop(mid, None)
-        reason = self._reasons.pop(mid, 0)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(reason)
-
-    def clear(self) -> None:
-        super().clear()
-        self.fail_all()
-
-    def wait_for(self, mid: int) -> asyncio.Future[int]:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters[mid] = fut
-        return fut
-
-    def fail_all(self) -> None:
-        waiters, self._waiters = self._waiters, {}
-        for fut in waiters.values():
-            if not fut.done():
-                fut.set_exception(BrokerLost("connection closed before PUBACK"))
-                fut.exception()  # retrieved: the waiter may be gone already
-
-    def hook_reason_codes(self, client: gmqtt.Client) -> None:
-        """Record the PUBACK reason code before gmqtt's own handler frees the id."""
-        hooks.on_puback(client, self._reasons.__setitem__)
+def _config_key(c: PendingConfig) -> str:
+    return f"cfg:{c.device}:{c.id}"
 
 
 class Deliverer:
@@ -138,6 +110,7 @@ class Deliverer:
         # a config delivered since then is already at this broker.
         self.connected_since: float | None = None
         self.connected = asyncio.Event()
+        self._suspects = Suspects()
 
     def wake(self) -> None:
         """Something new is in the inbox."""
@@ -145,8 +118,8 @@ class Deliverer:
 
     # -- connection -----------------------------------------------------------
 
-    async def _connect(self) -> tuple[gmqtt.Client, _PubackTracker]:
-        tracker = _PubackTracker()
+    async def _connect(self) -> tuple[gmqtt.Client, PubackTracker]:
+        tracker = PubackTracker()
         client = gmqtt.Client(
             deliver_client_id(self._settings), clean_session=True, persistent_storage=tracker
         )
@@ -163,7 +136,7 @@ class Deliverer:
             raise
         return client, tracker
 
-    async def _close(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
+    async def _close(self, client: gmqtt.Client, tracker: PubackTracker) -> None:
         tracker.fail_all()
         await close(client)
 
@@ -228,7 +201,7 @@ class Deliverer:
 
     # -- delivery -----------------------------------------------------------------
 
-    async def _deliver_while_connected(self, client: gmqtt.Client, tracker: _PubackTracker) -> None:
+    async def _deliver_while_connected(self, client: gmqtt.Client, tracker: PubackTracker) -> None:
         window = self._dl.deliver_window
         while True:
             if self._lost.is_set():
@@ -248,7 +221,7 @@ class Deliverer:
                     await wait_for(self._wait_wakeup_or_lost(), timeout)
                 await self._sweep_expired()
 
-    async def _republish_some(self, client: gmqtt.Client, tracker: _PubackTracker) -> float | None:
+    async def _republish_some(self, client: gmqtt.Client, tracker: PubackTracker) -> float | None:
         """Publish the next chunk of a restore when the rate allows: None when
         no config waits for it, 0 after publishing, else the seconds until the
         rate allows the next chunk.  The budget does not pile up while idle:
@@ -276,7 +249,7 @@ class Deliverer:
     def _publish(
         self,
         client: gmqtt.Client,
-        tracker: _PubackTracker,
+        tracker: PubackTracker,
         topic: str,
         payload: bytes,
         *,
@@ -300,7 +273,16 @@ class Deliverer:
         it.  Those after a missing PUBACK are left out, to keep per-device
         order: they go out again after reconnecting."""
         if futures:
-            await asyncio.wait(futures, timeout=self._dl.publish_timeout_s)
+            # Until every PUBACK is in, the connection is lost, or the timeout.
+            lost = asyncio.ensure_future(self._lost.wait())
+            acked = asyncio.ensure_future(asyncio.wait(futures))
+            try:
+                await asyncio.wait(
+                    [acked, lost], timeout=self._dl.publish_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                lost.cancel()
+                acked.cancel()
         out: list[str] = []
         for f in futures:
             if not (f.done() and not f.cancelled() and f.exception() is None):
@@ -313,20 +295,30 @@ class Deliverer:
         return out
 
     async def _publish_commands(
-        self, client: gmqtt.Client, tracker: _PubackTracker, commands: list[PendingCommand]
+        self, client: gmqtt.Client, tracker: PubackTracker, commands: list[PendingCommand]
     ) -> None:
         now = time.time()
-        expired = [c for c in commands if now >= c.expires_at]
-        live = [c for c in commands if now < c.expires_at]
-        if expired:
-            await self._finish([(c.id, CommandState.EXPIRED, "expired before delivery") for c in expired])
-        futures = [
-            self._publish(
-                client, tracker, device_topic(self._dl.command_topic, c.device), c.payload, retain=False
-            )
-            for c in live
+        done: list[tuple[str, CommandState, str]] = [
+            (c.id, CommandState.EXPIRED, "expired before delivery") for c in commands if now >= c.expires_at
         ]
-        outcomes = await self._await_pubacks(futures)
+        live: list[PendingCommand] = []
+        for c in commands:
+            if now >= c.expires_at:
+                continue
+            refused = self._refuse(f"cmd:{c.id}", c.device)
+            if refused:
+                done.append((c.id, CommandState.FAILED, refused))
+                log.warning("deliver: command %s for %r failed: %s", c.id, c.device, refused)
+            else:
+                live.append(c)
+        if done:
+            await self._finish(done)
+        live = live[: self._suspects.careful([f"cmd:{c.id}" for c in live])]
+        outcomes = await self._publish_all(
+            client,
+            tracker,
+            [(f"cmd:{c.id}", device_topic(self._dl.command_topic, c.device), c.payload, None) for c in live],
+        )
         updates: list[tuple[str, CommandState, str]] = []
         delivered = 0
         for c, refused in zip(live, outcomes, strict=False):
@@ -343,31 +335,98 @@ class Deliverer:
         if len(updates) < len(live):
             raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
 
-    async def _publish_configs(
-        self, client: gmqtt.Client, tracker: _PubackTracker, configs: list[PendingConfig]
-    ) -> None:
-        futures = [
-            self._publish(
-                client,
-                tracker,
-                device_topic(self._dl.config_mqtt_topic, c.device),
-                c.payload,
-                retain=True,
-                config_id=c.id,
+    def _refuse(self, key: str, device: str) -> str:
+        """Why this publish is not made (failed instead): a device that is
+        not a device id, or `POISON_STRIKES` lost connections; else ""."""
+        problem = device_id_problem(device)
+        if problem is not None:
+            return f"not published: {problem}"
+        strikes = self._suspects.strikes(key)
+        if strikes >= POISON_STRIKES:
+            self._suspects.done(key)
+            return (
+                f"the broker dropped the connection each of the {strikes} times it was published alone"
+                " (a PUBLISH the broker cannot take, e.g. over its max_packet_size)"
             )
-            for c in configs
-        ]
+        return ""
+
+    async def _publish_all(
+        self,
+        client: gmqtt.Client,
+        tracker: PubackTracker,
+        items: list[tuple[str, str, bytes, str | None]],
+    ) -> list[str]:
+        """Publish (key, topic, payload, config id or None for a command) and
+        wait for the PUBACKs: `_await_pubacks`'s outcomes.  On a lost
+        connection the unacknowledged ones become suspects (inflight.py)."""
+        futures: list[asyncio.Future[int]] = []
+        try:
+            for _, topic, payload, config_id in items:
+                futures.append(
+                    self._publish(
+                        client, tracker, topic, payload, retain=config_id is not None, config_id=config_id
+                    )
+                )
+        except BrokerLost:
+            self._lost_with([k for k, *_ in items[: len(futures) + 1]])
+            raise
         outcomes = await self._await_pubacks(futures)
+        for key, *_ in items[: len(outcomes)]:
+            self._suspects.done(key)
+        if len(outcomes) < len(items):
+            self._lost_with([k for k, *_ in items[len(outcomes) :]])
+        return outcomes
+
+    def _lost_with(self, keys: list[str]) -> None:
+        struck = self._suspects.lost(keys)
+        if struck is not None:
+            self._metrics.downlink_errors.labels("publish_dropped").inc()
+            self._limited.warning(
+                "deliver-poison",
+                "deliver: the connection was lost with only %s in flight (%d of %d times: then it fails)",
+                struck,
+                self._suspects.strikes(struck),
+                POISON_STRIKES,
+            )
+
+    async def _publish_configs(
+        self, client: gmqtt.Client, tracker: PubackTracker, configs: list[PendingConfig]
+    ) -> None:
+        failed: list[tuple[PendingConfig, str, str]] = []
+        live: list[PendingConfig] = []
+        for c in configs:
+            refused = self._refuse(_config_key(c), c.device)
+            if refused:
+                failed.append((c, "failed", refused))
+                log.warning("deliver: config %s for %r failed: %s", c.id, c.device, refused)
+            else:
+                live.append(c)
+        if failed:
+            await self._inbox.finish_configs(failed)
+        live = live[: self._suspects.careful([_config_key(c) for c in live])]
+        outcomes = await self._publish_all(
+            client,
+            tracker,
+            [
+                (
+                    f"cfg:{c.device}:{c.id}",
+                    device_topic(self._dl.config_mqtt_topic, c.device),
+                    c.payload,
+                    c.id,
+                )
+                for c in live
+            ],
+        )
         updates = [
             (c, "failed" if refused else "delivered", refused)
-            for c, refused in zip(configs, outcomes, strict=False)
+            for c, refused in zip(live, outcomes, strict=False)
         ]
         await self._inbox.finish_configs(updates)
         restored = sum(1 for c, state, _ in updates if c.state == REPUBLISH and state == "delivered")
         if restored:
             self._metrics.config_republished.inc(restored)
             log.debug("deliver: %d configs published again (restore)", restored)
-        if len(updates) < len(configs):
+        if len(updates) < len(live):
             raise BrokerLost(f"no PUBACK within {self._dl.publish_timeout_s}s")
 
     async def _finish(

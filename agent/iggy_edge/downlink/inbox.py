@@ -37,6 +37,7 @@ Design
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -47,8 +48,9 @@ from typing import Any, Final
 import aiosqlite
 
 from ..config import Settings
-from ..store.db import Database, ro_connect
+from ..store.db import Database
 from .commands import Ack, Command, CommandState, DesiredConfig
+from .views import RECEIVED, REPUBLISH, mark_sql
 
 SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS downlink_offsets (
@@ -88,9 +90,6 @@ CREATE TABLE IF NOT EXISTS downlink_config (
 );
 """
 
-RECEIVED: Final = CommandState.RECEIVED.value
-REPUBLISH: Final = "republish"  # delivered once; the broker lost it: publish again (a restore)
-DELIVERED: Final = CommandState.DELIVERED.value
 TERMINAL: Final = tuple(
     s.value for s in (CommandState.ACKED, CommandState.EXPIRED, CommandState.FAILED, CommandState.DELIVERED)
 )
@@ -113,6 +112,40 @@ class PendingConfig:
     state: str = RECEIVED  # RECEIVED (new) or REPUBLISH (a restore)
 
 
+# What the insert of one row can raise because of the row itself (a value
+# SQLite cannot take: an unencodable string, an integer beyond 64 bits, a
+# constraint).  Anything else -- OperationalError (disk full, I/O, locked),
+# DatabaseError (a damaged file) -- is the environment's fault and propagates.
+# (Not ValueError at the execute: aiosqlite raises it for a closed connection.)
+ROW_ERRORS: Final = (
+    sqlite3.InterfaceError,
+    sqlite3.ProgrammingError,
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    OverflowError,
+    UnicodeError,
+)
+# What encoding one item's device payload can raise because of its values.
+ENCODE_ERRORS: Final = (ValueError, TypeError, RecursionError, OverflowError, UnicodeError)
+
+
+class RowRefused(Exception):
+    """One item of a `store_polled` call could not be inserted; the whole
+    transaction was rolled back (nothing stored, the offset not advanced)."""
+
+    def __init__(self, kind: str, index: int, error: BaseException) -> None:
+        super().__init__(f"{kind} {index}: {type(error).__name__}: {error}")
+        self.kind = kind  # "command" or "config"
+        self.index = index  # its position in the list given
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    done: list[tuple[str, CommandState]]  # (command id, new state)
+    wrong_device: list[tuple[int, str]]  # (index of the ack, the device the command is for)
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBatch:
     """What one `store_polled` transaction did."""
@@ -121,35 +154,6 @@ class StoredBatch:
     expired: int  # of those, already expired on arrival
     duplicates: int  # ids already in the inbox (not delivered again)
     configs: int  # config rows replaced
-
-
-@dataclass(frozen=True, slots=True)
-class CommandRow:
-    seq: int
-    id: str
-    device: str
-    name: str
-    state: str
-    created_at: float
-    expires_at: float
-    received_at: float
-    updated_at: float
-    detail: str
-    source: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "device": self.device,
-            "name": self.name,
-            "state": self.state,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "received_at": self.received_at,
-            "updated_at": self.updated_at,
-            "detail": self.detail,
-            "source": self.source,
-        }
 
 
 class Inbox:
@@ -212,50 +216,35 @@ class Inbox:
     ) -> StoredBatch:
         """Insert commands/configs read from one partition and advance its
         offset to `last_offset`, all in one transaction.  Each item carries its
-        source (``topic/partition@offset``)."""
+        source (``topic/partition@offset``).  An item SQLite refuses
+        (`ROW_ERRORS`) rolls everything back and raises `RowRefused` naming
+        it, so the caller can dead-letter it and store the others."""
         now = time.time() if now is None else now
         new = expired = duplicates = replaced = 0
         async with self._transaction():
-            for cmd, source in commands:
-                state = CommandState.EXPIRED if cmd.expired(now) else CommandState.RECEIVED
-                before = self._conn.total_changes
-                await self._conn.execute(
-                    "INSERT INTO downlink_commands(id, device, name, payload, created_at, expires_at,"
-                    " received_at, state, updated_at, detail, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-                    " ON CONFLICT(id) DO NOTHING",
-                    (
-                        cmd.id,
-                        cmd.device,
-                        cmd.name,
-                        cmd.device_payload(),
-                        cmd.created_at,
-                        cmd.expires_at,
-                        now,
-                        state.value,
-                        now,
-                        "expired before it reached the gateway" if state is CommandState.EXPIRED else "",
-                        source,
-                    ),
-                )
-                if self._conn.total_changes == before:
+            for i, (cmd, source) in enumerate(commands):
+                try:
+                    payload = cmd.device_payload()
+                except ENCODE_ERRORS as e:
+                    raise RowRefused("command", i, e) from e
+                try:
+                    added = await self._insert_command(cmd, payload, source, now)
+                except ROW_ERRORS as e:
+                    raise RowRefused("command", i, e) from e
+                if added is None:
                     duplicates += 1
                 else:
                     new += 1
-                    expired += state is CommandState.EXPIRED
-            for cfg, source in configs:
-                before = self._conn.total_changes
-                await self._conn.execute(
-                    "INSERT INTO downlink_config(device, id, payload, created_at, received_at, state,"
-                    " updated_at, detail, source) VALUES (?,?,?,?,?,?,?,'',?)"
-                    " ON CONFLICT(device) DO UPDATE SET id = excluded.id, payload = excluded.payload,"
-                    " created_at = excluded.created_at, received_at = excluded.received_at,"
-                    " state = excluded.state, updated_at = excluded.updated_at, detail = '',"
-                    " source = excluded.source"
-                    " WHERE downlink_config.id IS NOT excluded.id"
-                    " OR downlink_config.payload IS NOT excluded.payload",
-                    (cfg.device, cfg.id, cfg.device_payload(), cfg.created_at, now, RECEIVED, now, source),
-                )
-                replaced += self._conn.total_changes != before
+                    expired += added is CommandState.EXPIRED
+            for i, (cfg, source) in enumerate(configs):
+                try:
+                    payload = cfg.device_payload()
+                except ENCODE_ERRORS as e:
+                    raise RowRefused("config", i, e) from e
+                try:
+                    replaced += await self._upsert_config(cfg, payload, source, now)
+                except ROW_ERRORS as e:
+                    raise RowRefused("config", i, e) from e
             await self._conn.execute(
                 "INSERT INTO downlink_offsets(stream, topic, partition_id, last_offset, updated_at)"
                 " VALUES (?,?,?,?,?) ON CONFLICT(stream, topic, partition_id)"
@@ -263,6 +252,57 @@ class Inbox:
                 (stream, topic, partition_id, last_offset, now),
             )
         return StoredBatch(new, expired, duplicates, replaced)
+
+    async def _insert_command(
+        self, cmd: Command, payload: bytes, source: str, now: float
+    ) -> CommandState | None:
+        """The state it got, or None for a duplicate id."""
+        state = CommandState.EXPIRED if cmd.expired(now) else CommandState.RECEIVED
+        before = self._conn.total_changes
+        await self._conn.execute(
+            "INSERT INTO downlink_commands(id, device, name, payload, created_at, expires_at,"
+            " received_at, state, updated_at, detail, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT(id) DO NOTHING",
+            (
+                cmd.id,
+                cmd.device,
+                cmd.name,
+                payload,
+                cmd.created_at,
+                cmd.expires_at,
+                now,
+                state.value,
+                now,
+                "expired before it reached the gateway" if state is CommandState.EXPIRED else "",
+                source,
+            ),
+        )
+        return None if self._conn.total_changes == before else state
+
+    async def _upsert_config(self, cfg: DesiredConfig, payload: bytes, source: str, now: float) -> bool:
+        """True when the row was inserted or replaced."""
+        before = self._conn.total_changes
+        await self._conn.execute(
+            "INSERT INTO downlink_config(device, id, payload, created_at, received_at, state,"
+            " updated_at, detail, source) VALUES (?,?,?,?,?,?,?,'',?)"
+            " ON CONFLICT(device) DO UPDATE SET id = excluded.id, payload = excluded.payload,"
+            " created_at = excluded.created_at, received_at = excluded.received_at,"
+            " state = excluded.state, updated_at = excluded.updated_at, detail = '',"
+            " source = excluded.source"
+            " WHERE downlink_config.id IS NOT excluded.id"
+            " OR downlink_config.payload IS NOT excluded.payload",
+            (cfg.device, cfg.id, payload, cfg.created_at, now, RECEIVED, now, source),
+        )
+        return self._conn.total_changes != before
+
+    async def config_devices(self, devices: Iterable[str]) -> tuple[int, set[str]]:
+        """How many devices have a desired config, and which of `devices` do."""
+        count = await self._fetchall("SELECT count(*) FROM downlink_config")
+        rows = await self._fetchall(
+            "SELECT device FROM downlink_config WHERE device IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(set(devices))),),
+        )
+        return int(count[0][0]), {r[0] for r in rows}
 
     # -- the deliverer's side ---------------------------------------------------
 
@@ -311,7 +351,7 @@ class Inbox:
         now = time.time() if now is None else now
         async with self._transaction():
             changes = self._conn.total_changes
-            await self._conn.execute(*_mark_sql(device, now, since, before))
+            await self._conn.execute(*mark_sql(device, now, since, before))
             return self._conn.total_changes - changes
 
     async def finish(
@@ -321,14 +361,37 @@ class Inbox:
         detail); returns the transitions that happened."""
         return await self._transition(updates, (RECEIVED,), now)
 
-    async def apply_acks(
-        self, acks: Iterable[Ack], *, now: float | None = None
-    ) -> list[tuple[str, CommandState]]:
-        """Record device acks.  Also from `received`: the device can answer
-        before the broker's PUBACK reaches us, and an acked command must not
-        be published again."""
-        updates = [(a.id, a.state, "" if a.error is None else f"device: {a.error}") for a in acks]
-        return await self._transition(updates, (RECEIVED, CommandState.DELIVERED.value), now)
+    async def apply_acks(self, acks: Iterable[tuple[str, Ack]], *, now: float | None = None) -> AckResult:
+        """Record device acks, each (the device it came from, the ack).  An
+        ack counts only for a command addressed to that device; one naming
+        another device's command changes nothing and is returned in
+        `AckResult.wrong_device`.  Also from `received`: the device can
+        answer before the broker's PUBACK reaches us, and an acked command
+        must not be published again."""
+        now = time.time() if now is None else now
+        result = AckResult([], [])
+        items = list(acks)
+        if not items:
+            return result
+        async with self._transaction():
+            for i, (device, ack) in enumerate(items):
+                before = self._conn.total_changes
+                detail = "" if ack.error is None else f"device: {ack.error}"
+                await self._conn.execute(
+                    "UPDATE downlink_commands SET state = ?, detail = ?, updated_at = ?"
+                    " WHERE id = ? AND device = ? AND state IN (?, ?)",
+                    (ack.state.value, detail, now, ack.id, device, RECEIVED, CommandState.DELIVERED.value),
+                )
+                if self._conn.total_changes != before:
+                    result.done.append((ack.id, ack.state))
+                    continue
+                async with self._conn.execute(
+                    "SELECT device FROM downlink_commands WHERE id = ?", (ack.id,)
+                ) as cur:
+                    row = await cur.fetchone()
+                if row is not None and row[0] != device:
+                    result.wrong_device.append((i, str(row[0])))
+        return result
 
     async def _transition(
         self,
@@ -391,99 +454,3 @@ class Inbox:
                 (*TERMINAL, cutoff),
             )
             return self._conn.total_changes - before
-
-
-def _mark_sql(
-    device: str | None, now: float, since: float | None = None, before: float | None = None
-) -> tuple[str, tuple[Any, ...]]:
-    sql = "UPDATE downlink_config SET state = ?, detail = 'restore requested', updated_at = ? WHERE state = ?"
-    params: tuple[Any, ...] = (REPUBLISH, now, DELIVERED)
-    if device is not None:
-        sql += " AND device = ?"
-        params += (device,)
-    if since is not None:
-        sql += " AND updated_at >= ?"
-        params += (since,)
-    if before is not None:
-        sql += " AND updated_at < ?"
-        params += (before,)
-    return sql, params
-
-
-def request_republish(path: Path, device: str | None = None) -> int:
-    """From another process (the CLI): mark delivered configs for the
-    running agent's deliverer to publish again; returns how many.  Writes
-    only rows (WAL, busy timeout): the agent's one deliver connection stays
-    the only publisher of down/config, so a restore cannot race a newer
-    config on another connection."""
-    if not path.exists():
-        raise FileNotFoundError(f"no buffer database at {path} (has the agent run yet?)")
-    conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10, isolation_level=None)
-    try:
-        if not _has_table(conn, "downlink_config"):
-            return 0
-        return conn.execute(*_mark_sql(device, time.time())).rowcount
-    finally:
-        conn.close()
-
-
-def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
-    """(device, id, state, source) of every device's newest config."""
-    conn = _ro(path)
-    try:
-        if not _has_table(conn, "downlink_config"):
-            return []
-        rows = conn.execute(
-            "SELECT device, id, state, source FROM downlink_config ORDER BY device"
-        ).fetchall()
-    finally:
-        conn.close()
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
-
-
-# -- read-only views for the CLI (another process; WAL lets it read) --------------
-
-
-def _ro(path: Path) -> sqlite3.Connection:
-    """Read-only; a missing file raises NoDatabase, a FileNotFoundError."""
-    return ro_connect(path)
-
-
-def _has_table(conn: sqlite3.Connection, name: str) -> bool:
-    row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
-    return row is not None
-
-
-def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> list[CommandRow]:
-    """The most recent commands (newest first)."""
-    conn = _ro(path)
-    try:
-        if not _has_table(conn, "downlink_commands"):
-            return []
-        sql = (
-            "SELECT seq, id, device, name, state, created_at, expires_at, received_at, updated_at, detail,"
-            " source FROM downlink_commands"
-        )
-        params: tuple[Any, ...] = ()
-        if device is not None:
-            sql += " WHERE device = ?"
-            params = (device,)
-        rows = conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall()
-    finally:
-        conn.close()
-    return [CommandRow(*r) for r in rows]
-
-
-def read_offsets(path: Path) -> list[tuple[str, str, int, int, int | None]]:
-    """(stream, topic, partition, last consumed, last mirrored)."""
-    conn = _ro(path)
-    try:
-        if not _has_table(conn, "downlink_offsets"):
-            return []
-        rows = conn.execute(
-            "SELECT stream, topic, partition_id, last_offset, mirrored_offset FROM downlink_offsets"
-            " ORDER BY stream, topic, partition_id"
-        ).fetchall()
-    finally:
-        conn.close()
-    return [(r[0], r[1], int(r[2]), int(r[3]), r[4]) for r in rows]

@@ -8,11 +8,17 @@
   `mirror_timeout_s` and best effort: a failed mirror is retried on the next
   round, and a mirror that lags never loses or repeats a command because
   SQLite, not the server, says where to resume.
-* A payload that is not a valid command/config is dead-lettered (reason
-  ``invalid_command``) and its offset is consumed like any other, so one bad
-  message cannot block a partition.  The dead letter is committed first, on
-  the outbox's connection (the `DeadLetterSink` it is given); a crash before the offset commit re-reads the
-  message and may dead-letter it a second time (never loses it).
+* Every payload goes through the trust-boundary functions `read_command` /
+  `read_config` (commands.py), which never raise: a payload that is not a
+  valid command/config -- not JSON, a bad field, unencodable, too deep, a
+  number too big -- is dead-lettered (reason ``invalid_command``) and its
+  offset is consumed like any other, so one bad message cannot block a
+  partition.  So is one the inbox insert refuses for its own values
+  (`RowRefused`; the rest of the batch is stored), and a config for a device
+  beyond ``max_config_devices`` (reason ``too_many_config_devices``).  A
+  dead letter is committed first, on the outbox's connection (the
+  `DeadLetterSink` it is given); a crash before the offset commit re-reads
+  the message and may dead-letter it a second time (never loses it).
 * Backpressure: when `max_inbox` commands wait for delivery, command
   partitions are not polled; the commands stay in Iggy and the pause is
   counted (``iggy_edge_downlink_inbox_full``).  A poll never takes more than
@@ -50,7 +56,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from ..backoff import backoff_delay
 from ..config import Settings
@@ -61,20 +67,22 @@ from ..stages import DeadLetterSink
 from ..timeouts import wait_for
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
+    INVALID_COMMAND,
     Command,
     CommandState,
     DesiredConfig,
-    InvalidCommand,
+    Refused,
     commands_topic,
     config_topic,
-    parse_command,
-    parse_config,
+    printable,
+    read_command,
+    read_config,
 )
-from .inbox import Inbox
+from .inbox import Inbox, RowRefused, StoredBatch
 
 log = logging.getLogger(__name__)
 
-INVALID_COMMAND: Final = "invalid_command"
+TOO_MANY_CONFIG_DEVICES: Final = "too_many_config_devices"
 BACKOFF_MAX_S: Final = 30.0
 PROBES_PER_INTERVAL: Final = 5  # looks at the commands topic per poll_interval_s
 HOT_LOOKS_PER_INTERVAL: Final = 20  # ... while commands come in
@@ -280,24 +288,26 @@ class ReturnPoll:
         now = time.time()
         commands: list[tuple[Command, str]] = []
         configs: list[tuple[DesiredConfig, str]] = []
+        origin: dict[str, PolledMessage] = {}  # source -> message, for a dead letter later
         for m in messages:
-            try:
-                if part.is_config:
-                    configs.append(
-                        (
-                            parse_config(m.payload, now=now, fallback_id=f"offset-{m.offset}"),
-                            part.source(m.offset),
-                        )
-                    )
-                else:
-                    cmd = parse_command(m.payload, now=now, default_ttl_s=self._dl.default_ttl_s)
-                    commands.append((cmd, part.source(m.offset)))
-            except InvalidCommand as e:
-                await self._dead_letter(part, m, str(e))
+            source = part.source(m.offset)
+            got: Command | DesiredConfig | Refused
+            if part.is_config:
+                got = read_config(m.payload, now=now, fallback_id=f"offset-{m.offset}")
+            else:
+                got = read_command(m.payload, now=now, default_ttl_s=self._dl.default_ttl_s)
+            if isinstance(got, Refused):
+                await self._dead_letter(part, m, got.reason, got.detail)
+            elif isinstance(got, Command):
+                commands.append((got, source))
+                origin[source] = m
+            else:
+                configs.append((got, source))
+                origin[source] = m
+        if configs:
+            configs = await self._bound_configs(part, configs, origin)
         last = messages[-1].offset
-        result = await self._inbox.store_polled(
-            part.stream, part.topic, part.partition_id, last, commands, configs, now=now
-        )
+        result = await self._store(part, last, commands, configs, origin, now)
         self._last[part] = last
         self._metrics.commands.labels(CommandState.RECEIVED.value).inc(result.new)
         self._metrics.commands.labels(CommandState.EXPIRED.value).inc(result.expired)
@@ -311,7 +321,69 @@ class ReturnPoll:
             self._on_stored()
         return len(messages)
 
-    async def _dead_letter(self, part: _Partition, m: PolledMessage, detail: str) -> None:
+    async def _store(
+        self,
+        part: _Partition,
+        last: int,
+        commands: list[tuple[Command, str]],
+        configs: list[tuple[DesiredConfig, str]],
+        origin: dict[str, PolledMessage],
+        now: float,
+    ) -> StoredBatch:
+        """One transaction for the rest of the batch and the offset.  An item
+        SQLite refuses for its own values (a parser gap) is dead-lettered and
+        the others stored; a fault of the disk or file propagates (StoreError,
+        sqlite3.OperationalError): the supervisor restarts the return path."""
+        while True:
+            try:
+                return await self._inbox.store_polled(
+                    part.stream, part.topic, part.partition_id, last, commands, configs, now=now
+                )
+            except RowRefused as e:
+                items: list[Any] = commands if e.kind == "command" else configs
+                _, source = items.pop(e.index)
+                detail = printable(f"the inbox cannot store it: {type(e.error).__name__}: {e.error}")
+                self._metrics.downlink_errors.labels("unstorable").inc()
+                self._limited.error("unstorable", "return poll: %s: %s; dead-lettered", source, detail)
+                await self._dead_letter(part, origin[source], INVALID_COMMAND, detail)
+
+    async def _bound_configs(
+        self,
+        part: _Partition,
+        configs: list[tuple[DesiredConfig, str]],
+        origin: dict[str, PolledMessage],
+    ) -> list[tuple[DesiredConfig, str]]:
+        """At most `max_config_devices` devices have a desired config (each one
+        a retained message in the broker): a config for a device beyond them
+        is dead-lettered (docs/return-path.md, "Bounds").  The poll is the
+        only writer of new config rows, so the count cannot change meanwhile."""
+        count, known = await self._inbox.config_devices(c.device for c, _ in configs)
+        limit = self._dl.max_config_devices
+        kept: list[tuple[DesiredConfig, str]] = []
+        for cfg, source in configs:
+            if cfg.device not in known:
+                if count >= limit:
+                    self._limited.warning(
+                        "config-devices",
+                        "return poll: %d devices have a desired config (downlink.max_config_devices):"
+                        " the config for new device %s is dead-lettered",
+                        limit,
+                        cfg.device,
+                    )
+                    await self._dead_letter(
+                        part,
+                        origin[source],
+                        TOO_MANY_CONFIG_DEVICES,
+                        f"{limit} devices have a desired config already (downlink.max_config_devices);"
+                        f" {cfg.device!r} is not one of them",
+                    )
+                    continue
+                known.add(cfg.device)
+                count += 1
+            kept.append((cfg, source))
+        return kept
+
+    async def _dead_letter(self, part: _Partition, m: PolledMessage, reason: str, detail: str) -> None:
         # A StoreError here propagates: the offset is not advanced and the
         # supervisor restarts the return path.
         await self._dead_letters.dead_letter(
@@ -319,7 +391,7 @@ class ReturnPoll:
             payload=m.payload,
             qos=1,
             retain=False,
-            reason=INVALID_COMMAND,
+            reason=reason,
             detail=detail,
         )
 
