@@ -16,12 +16,18 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.config import parse_config
+from iggy_edge.downlink.commands import commands_topic, partition_of
+from iggy_edge.downlink.views import read_commands
 from iggy_edge.reload import plan
+from iggy_edge.runtime import build_agent
+from iggy_edge.uplink.factory import consumer_name
+from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.broker import Broker
+from tests.support.downlink import downlink_settings
 from tests.support.mqtt import publish_all
 from tests.support.ports import free_port
-from tests.support.wait import wait_until
+from tests.support.wait import async_wait_until, wait_until
 
 AGENT = Path(sys.executable).parent / "iggy-edge"
 
@@ -149,3 +155,40 @@ def test_the_unit_reloads_with_sighup() -> None:
     packaged = (Path(__file__).resolve().parents[1] / "packaging/systemd/iggy-edge.service").read_text()
     for unit in (packaged, UNIT):
         assert "ExecReload=/bin/kill -HUP $MAINPID" in unit
+
+
+async def test_a_reload_reaches_the_return_path(broker: Broker, tmp_path: Path) -> None:
+    """downlink.default_ttl_s is read by the return poll at every command: a
+    command without expires_at that arrives after the reload gets the new TTL."""
+
+    settings = downlink_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    agent = build_agent(
+        settings, uplink=iggy.uplink(), command_source=iggy.command_source(consumer_name(settings))
+    )
+    task = asyncio.create_task(agent.run())
+
+    def send(cid: str) -> None:
+        doc = {"id": cid, "device": "dev-1", "name": "blink", "created_at": 1_900_000_000}
+        iggy.publish(
+            "edge", commands_topic(settings), partition_of("dev-1", settings), json.dumps(doc).encode()
+        )
+
+    def ttl_of(cid: str) -> float | None:
+        rows = {r.id: r for r in read_commands(settings.buffer_path)}
+        return None if cid not in rows else rows[cid].expires_at - rows[cid].created_at
+
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        send("before")
+        await async_wait_until(lambda: ttl_of("before") is not None, 10, what="the first command stored")
+        new = downlink_settings(tmp_path, broker, downlink={"default_ttl_s": 42})
+        result = agent.reload(new)
+        assert [c.key for c in result.live] == ["downlink.default_ttl_s"]
+        send("after")
+        await async_wait_until(lambda: ttl_of("after") is not None, 10, what="the second command stored")
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 15)
+    assert ttl_of("before") == settings.downlink.default_ttl_s
+    assert ttl_of("after") == 42

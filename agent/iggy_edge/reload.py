@@ -49,6 +49,7 @@ LIVE: Final = frozenset(
         "downlink.history_s",
         "downlink.republish_rate",
         "downlink.republish_recent_s",
+        "downlink.max_config_devices",
         "receipts.min_interval_ms",
         "metrics.uplink_down_unhealthy_s",
         "metrics.device_stale_s",

@@ -223,6 +223,17 @@ class Agent:
 
         return remove
 
+    def observe_reload(self, observer: Callable[[Settings], None]) -> Callable[[], None]:
+        """Call `observer` after each reload (stages.ReturnPathHost)."""
+        hooks = self.reload_hooks
+        hooks.append(observer)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                hooks.remove(observer)
+
+        return remove
+
     def observe_session_lost(self, observer: Callable[[], None]) -> Callable[[], None]:
         """Call `observer` whenever ingest finds the broker forgot its session,
         at once if that already happened in this run (stages.ReturnPathHost)."""

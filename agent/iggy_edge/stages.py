@@ -96,6 +96,10 @@ class ReturnPathHost(Protocol):
         """Call `observer` for every committed ingest message until the
         returned function is called."""
 
+    def observe_reload(self, observer: Callable[[Settings], None]) -> Callable[[], None]:
+        """Call `observer` with the new settings after each reload (reload.py),
+        until the returned function is called."""
+
     def observe_session_lost(self, observer: Callable[[], None]) -> Callable[[], None]:
         """Call `observer` (quick, never raising) whenever the broker turns
         out to have lost the agent's MQTT session (and so, most likely, its

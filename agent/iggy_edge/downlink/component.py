@@ -158,6 +158,12 @@ class Downlink:
             s, source, inbox, host.dead_letters, host.metrics, on_stored=self.deliverer.wake
         )
 
+    def reconfigure(self, settings: Settings) -> None:
+        """A reload (reload.py): the live downlink keys, from the next use on."""
+        self.inbox.reconfigure(settings)
+        self.poll.reconfigure(settings)
+        self.deliverer.reconfigure(settings)
+
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.poll.run(), name="downlink-poll")
@@ -184,9 +190,11 @@ async def return_path(host: ReturnPathHost) -> None:
     component = Downlink(host, source, inbox)
     stop_observing = host.observe_ingest(component.acks.observe)
     stop_restoring = host.observe_session_lost(component.restorer.request)
+    stop_reloading = host.observe_reload(component.reconfigure)
     try:
         await component.run()
     finally:
+        stop_reloading()
         stop_restoring()
         stop_observing()
         await inbox.close()

@@ -96,8 +96,7 @@ def _config_key(c: PendingConfig) -> str:
 
 class Deliverer:
     def __init__(self, settings: Settings, inbox: Inbox, metrics: Metrics) -> None:
-        self._settings = settings
-        self._dl = settings.downlink
+        self.reconfigure(settings)
         self._mqtt = settings.mqtt
         self._inbox = inbox
         self._metrics = metrics
@@ -111,6 +110,11 @@ class Deliverer:
         self.connected_since: float | None = None
         self.connected = asyncio.Event()
         self._suspects = Suspects()
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Timeouts and republish pacing from `settings` (a reload)."""
+        self._settings = settings
+        self._dl = settings.downlink
 
     def wake(self) -> None:
         """Something new is in the inbox."""

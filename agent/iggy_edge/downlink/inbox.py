@@ -174,6 +174,10 @@ class Inbox:
         )
         return cls(db, settings)
 
+    def reconfigure(self, settings: Settings) -> None:
+        """History and config bounds from `settings` (a reload)."""
+        self._settings = settings
+
     async def close(self) -> None:
         await self._db.close()
 

@@ -112,8 +112,7 @@ class ReturnPoll:
         *,
         on_stored: Callable[[], None] = lambda: None,
     ) -> None:
-        self._settings = settings
-        self._dl = settings.downlink
+        self.reconfigure(settings)
         self._source = source
         self._inbox = inbox
         self._dead_letters = dead_letters
@@ -133,6 +132,11 @@ class ReturnPoll:
         # to read topic details): then every round polls every partition.
         self._looks = True
         self._last_command = -float("inf")  # monotonic: when a round last got a command
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Polling cadence, batch, inbox bound and TTL from `settings` (a reload)."""
+        self._settings = settings
+        self._dl = settings.downlink
 
     async def run(self) -> None:
         stored = await self._inbox.offsets()
