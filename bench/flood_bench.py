@@ -18,6 +18,10 @@ Floods (payload sizes against the default buffer.max_payload_bytes, 256 KiB):
 * ``large_qos1``: 1,500 QoS1 payloads of 256 KiB (receive maximum x max payload)
 * ``large_qos0``: 2,000 QoS0 payloads of 256 KiB (the QoS0 queue bound of
   20,000 records alone would admit 5 GB)
+* ``topics_qos1``: 100,000 QoS1 readings of 60 bytes from one device, each on
+  a topic of its own (issue 18 item 5: every distinct topic was a source row
+  and two cache entries, kept until the buffer emptied and loaded at start);
+  also the idle RSS of a fresh agent started on the same buffer afterwards
 
 Prints one JSON line per flood.
 
@@ -55,7 +59,10 @@ FLOODS: dict[str, tuple[int, int, int]] = {
     "oversize_qos0": (800, 258 * KIB, 0),
     "large_qos1": (1_500, 256 * KIB, 1),
     "large_qos0": (2_000, 256 * KIB, 0),
+    "topics_qos1": (100_000, 60, 1),
 }
+# floods whose every message has a topic of its own (one device)
+DISTINCT_TOPICS = frozenset({"topics_qos1"})
 
 
 def write_config(state: Path, port: int, metrics_port: int) -> Path:
@@ -127,7 +134,7 @@ def settled(m: dict[str, float]) -> int:
     )
 
 
-async def publish(port: int, count: int, size: int, qos: int) -> float:
+async def publish(port: int, count: int, size: int, qos: int, *, distinct: bool = False) -> float:
     """Send the flood; for QoS1 wait for every PUBACK.  Returns seconds."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     sock = writer.get_extra_info("socket")
@@ -155,7 +162,8 @@ async def publish(port: int, count: int, size: int, qos: int) -> float:
     for i in range(count):
         if qos:
             await window.acquire()
-        writer.write(codec.publish(f"edge/dev{i % 10}/up/env", payload, qos=qos, mid=i % 65535 + 1))
+        topic = f"edge/dev0/up/t{i}" if distinct else f"edge/dev{i % 10}/up/env"
+        writer.write(codec.publish(topic, payload, qos=qos, mid=i % 65535 + 1))
         await writer.drain()
     if qos:
         await asyncio.wait_for(done.wait(), 600)
@@ -195,7 +203,7 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
                 time.sleep(0.2)
             time.sleep(0.5)  # the SUBACK
             rss_start = vm_rss_kb(agent.pid)
-            seconds = asyncio.run(publish(broker.port, count, size, qos))
+            seconds = asyncio.run(publish(broker.port, count, size, qos, distinct=name in DISTINCT_TOPICS))
             last, still = -1, time.monotonic()
             while True:
                 got = settled(scrape(metrics_port))
@@ -218,7 +226,11 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
                 agent.kill()
                 agent.wait()
             log.close()
+        restarted = (
+            idle_rss_after_restart_mb(workdir, conf, metrics_port) if name in DISTINCT_TOPICS else None
+        )
     return {
+        "idle_rss_after_restart_mb": restarted,
         "peak_rss_mb": round(hwm / 1024, 1),
         "rss_after_mb": round(rss / 1024, 1),
         "rss_start_mb": round(rss_start / 1024, 1),
@@ -238,6 +250,30 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
         "publish_seconds": round(seconds, 2),
         "agent_exit": agent.returncode,
     }
+
+
+def idle_rss_after_restart_mb(workdir: Path, conf: Path, metrics_port: int) -> float:
+    """A fresh agent on the flooded buffer, once connected and idle for 3 s."""
+    with (workdir / "agent-restart.log").open("wb") as log:
+        agent = subprocess.Popen([*iggy_edge_cmd(), "run", "--config", str(conf)], stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(OSError):
+                    if scrape(metrics_port).get("iggy_edge_ingest_connected") == 1:
+                        break
+                if agent.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the restarted agent did not connect")
+                time.sleep(0.2)
+            time.sleep(3.0)
+            return round(vm_rss_kb(agent.pid) / 1024, 1)
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
 
 
 def main() -> None:
