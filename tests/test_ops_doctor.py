@@ -3,6 +3,7 @@ credentials), a full disk (a 1 MiB tmpfs) and a bad clock, with the advice."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -12,7 +13,9 @@ from typing import Any
 import pytest
 from iggy_edge.cli.doctor import check_broker_config, check_clock, read_env_file
 from iggy_edge.cli.main import app
-from iggy_edge.config import parse_config
+from iggy_edge.config import load_config, parse_config
+from iggy_edge.downlink.commands import commands_topic, config_topic
+from iggy_edge.uplink.iggy import IggyUplink
 from typer.testing import CliRunner
 
 from tests.support.auth_broker import password_broker
@@ -197,6 +200,49 @@ def test_iggy_login_and_permissions(tmp_path: Path, broker: Broker, iggy_server:
     assert code == 1
     assert checks["iggy"]["status"] == "fail"
     assert "IGGY_PASSWORD" in out
+
+
+@pytest.mark.iggy
+def test_iggy_downlink_topics_are_the_agents(tmp_path: Path, broker: Broker, iggy_server: Any) -> None:
+    """doctor asks for commands.<gateway>/config.<gateway>, the topics the
+    agent polls, not commands/config: no false "will create" once the agent
+    made them, and with create_missing off the fix names the right ones."""
+    extra = (
+        f'[iggy]\nkind = "iggy"\naddress = "{iggy_server.address}"\nusername = "{iggy_server.username}"\n'
+        "create_missing = false\n"
+    )
+    config = write_config(tmp_path, port=broker.port, extra=extra)
+    env = {"IGGY_PASSWORD": iggy_server.password}
+    code, checks, _ = doctor(config, env=env)
+    perms = checks["iggy permissions"]
+    assert code == 1
+    assert perms["status"] == "fail", perms
+    missing = perms["detail"].split("missing topics: ")[1].split(" and ")[0].split(", ")
+    assert "edge/commands.gw-doc" in missing
+    assert "edge/config.gw-doc" in missing
+    assert "edge/commands" not in missing
+    assert perms["fix"].startswith("create edge/acks, ")
+    assert "edge/commands.gw-doc" in perms["fix"]
+    # what the agent creates at start (route topics and its downlink topics)
+    settings = load_config(config, env=env)
+    wanted = [(r.stream, r.topic) for r in settings.routes]
+    wanted += [(settings.downlink.stream, commands_topic(settings))]
+    wanted += [(settings.downlink.stream, config_topic(settings))]
+    made = settings.iggy.model_copy(update={"create_missing": True})
+
+    async def create() -> None:
+        uplink = IggyUplink(made, settings.gateway_id, topics=wanted)
+        try:
+            await uplink.start()
+        finally:
+            await uplink.close()
+
+    asyncio.run(create())
+    code, checks, _ = doctor(config, env=env)
+    perms = checks["iggy permissions"]
+    assert perms["status"] == "ok", perms
+    assert "will create" not in perms["detail"]
+    assert code == 0
 
 
 def test_iggy_of_another_protocol_version_is_named(tmp_path: Path, broker: Broker) -> None:

@@ -46,6 +46,7 @@ from gmqtt.mqtt.handler import MQTTConnectError
 
 from ..buffer_admin import read_stats
 from ..config import ConfigError, IggySettings, Settings, load_config
+from ..downlink.commands import commands_topic, config_topic
 from ..gmqtt_hooks import own_reconnect, refusal_code
 from ..httpd import local_url
 from ..mqttconn import close
@@ -416,8 +417,9 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
     send_to = sorted({(r.stream, r.topic) for r in settings.routes})
     poll_from: list[tuple[str, str]] = []
     if settings.downlink.enabled:
+        # the agent's own names for them, so doctor cannot drift from it
         d = settings.downlink
-        poll_from = [(d.stream, d.commands_topic), (d.stream, d.config_topic)]
+        poll_from = [(d.stream, commands_topic(settings)), (d.stream, config_topic(settings))]
     missing: list[str] = []
     try:
         for stream, topic in send_to + poll_from:
@@ -437,7 +439,8 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
             "iggy permissions",
             "fail",
             f"missing topics: {', '.join(missing)} and iggy.create_missing is off",
-            "create them on the server, or set iggy.create_missing = true",
+            f"create {', '.join(missing)} on the server (iggy topic create <stream> <topic> ...), "
+            "or set iggy.create_missing = true",
         )
     perms = None if user is None else user.permissions
     if perms is None:
