@@ -59,7 +59,14 @@ def test_reachable_broker_passes(tmp_path: Path, broker: Broker) -> None:
     assert checks["agent"]["status"] == "skip"
     assert code == 0
     assert "✓ broker" in text
-    assert "all checks passed" in text
+    # iggy kind = none warns and no agent answers: not "all checks passed"
+    assert "all checks passed" not in text
+    warned = sum(c["status"] == "warn" for c in checks.values())  # the clock may warn too
+    assert text.rstrip().endswith(
+        f"passed with {warned} warning{'s' * (warned > 1)}; the agent is not running"
+    )
+    # which broker config it read, and how to name another
+    assert "no-mosquitto.conf on this machine (name another with --mosquitto-conf PATH)" in text
 
 
 def test_unreachable_broker_fails_with_advice(tmp_path: Path) -> None:
@@ -85,8 +92,14 @@ def test_wrong_and_right_credentials(tmp_path: Path) -> None:
         assert "mosquitto_passwd" in out
         assert "wrong-password" not in out
 
-        code, checks, _ = doctor(config)  # no password at all
+        code, checks, out = doctor(config)  # no password at all
         assert checks["broker"]["status"] == "fail"
+        assert "no password is set" in checks["broker"]["detail"]
+        assert "set IGGY_EDGE_MQTT_PASSWORD in /etc/iggy-edge/env" in out
+        warned = sum(c["status"] == "warn" for c in checks.values())
+        assert out.rstrip().endswith(
+            f"1 problem, {warned} warning{'s' * (warned > 1)}; the agent is not running"
+        )
 
         # The right password from the service's env file (as systemd passes it).
         env_file = tmp_path / "env"
@@ -200,6 +213,11 @@ def test_iggy_login_and_permissions(tmp_path: Path, broker: Broker, iggy_server:
     assert code == 1
     assert checks["iggy"]["status"] == "fail"
     assert "IGGY_PASSWORD" in out
+    assert "no password is set" not in out
+    code, checks, out = doctor(config, env={})  # none set: say so, not the server's "Invalid password"
+    assert code == 1
+    assert "no password is set" in checks["iggy"]["detail"]
+    assert "fix: set IGGY_PASSWORD in /etc/iggy-edge/env" in out
 
 
 @pytest.mark.iggy
@@ -277,6 +295,7 @@ def test_broker_config_check_reads_the_include_dir(tmp_path: Path) -> None:
     (conf_d / "iggy-edge.conf").write_text(SNIPPET.read_text())  # the shipped snippet
     shipped = check_broker_config(settings, conf)
     assert shipped.status == "ok", shipped
+    assert shipped.detail.startswith(f"read {conf} (name another with --mosquitto-conf PATH): ")
     (conf_d / "local.conf").write_text("queue_qos0_messages true\n")
     qos0 = check_broker_config(settings, conf)
     assert qos0.status == "warn"

@@ -57,7 +57,7 @@ from ..uplink.iggy.errors import IGGY_SDK_VERSION, IncompatibleServer
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
 from .doctor_trust import check_agent_listener, check_device_users, check_iggy_transport
-from .doctor_types import LOCAL_HOSTS, Check, Status
+from .doctor_types import LOCAL_HOSTS, MOSQUITTO_CONF_HINT, Check, Status, summary
 
 DEFAULT_ENV_FILE: Final = Path("/etc/iggy-edge/env")
 TIMEOUT_S: Final = 5.0
@@ -226,6 +226,14 @@ async def check_broker(settings: Settings, timeout: float = TIMEOUT_S) -> Check:
     except MQTTConnectError as e:
         code = refusal_code(e)
         if code in BAD_CREDENTIALS:
+            if m.username and m.password is None:
+                return Check(
+                    "broker",
+                    "fail",
+                    f"{where} refused the login {who}: no password is set (the broker said: {e})",
+                    f"set IGGY_EDGE_MQTT_PASSWORD in {DEFAULT_ENV_FILE} (or [mqtt] password in the "
+                    "credentials_file), matching the broker's password file",
+                )
             return Check(
                 "broker",
                 "fail",
@@ -275,7 +283,7 @@ def check_broker_config(settings: Settings, conf: Path = MOSQUITTO_CONF) -> Chec
     if settings.mqtt.host not in LOCAL_HOSTS:
         return Check("broker-config", "skip", f"broker on {settings.mqtt.host}: its config is not read here")
     if not conf.exists():
-        return Check("broker-config", "skip", f"no {conf} on this machine")
+        return Check("broker-config", "skip", f"no {conf} on this machine ({MOSQUITTO_CONF_HINT})")
     try:
         values = mosquitto_settings(conf)
     except OSError as e:
@@ -299,8 +307,17 @@ def check_broker_config(settings: Settings, conf: Path = MOSQUITTO_CONF) -> Chec
         )
         fixes.append("install packaging/mosquitto/iggy-edge.conf in /etc/mosquitto/conf.d (1000000)")
     if problems:
-        return Check("broker-config", "warn", f"{conf}: " + "; ".join(problems), "; ".join(fixes))
-    return Check("broker-config", "ok", f"{conf}: queue depth {queued or 'unlimited'}, QoS0 not queued")
+        return Check(
+            "broker-config",
+            "warn",
+            f"read {conf} ({MOSQUITTO_CONF_HINT}): " + "; ".join(problems),
+            "; ".join(fixes),
+        )
+    return Check(
+        "broker-config",
+        "ok",
+        f"read {conf} ({MOSQUITTO_CONF_HINT}): queue depth {queued or 'unlimited'}, QoS0 not queued",
+    )
 
 
 def _no_reconnect() -> None:
@@ -355,7 +372,16 @@ async def check_iggy(settings: Settings, timeout: float = TIMEOUT_S) -> list[Che
                 fix = "check iggy.tls_ca_file / tls_domain against the server's certificate"
             else:
                 fix = "is it an Iggy TCP endpoint (default port 8090)? does the server need TLS (IGGY_TLS)?"
-            return [*checks, Check("iggy", "fail", f"login to {s.where} as {s.username!r} failed: {e}", fix)]
+            said = f"login to {s.where} as {s.username!r} failed: {e}"
+            if s.password is None and not isinstance(e, IncompatibleServer):
+                said = (
+                    f"login to {s.where} as {s.username!r} failed: no password is set (the server said: {e})"
+                )
+                fix = (
+                    f"set IGGY_PASSWORD in {DEFAULT_ENV_FILE} (or [iggy] password in the credentials_file); "
+                    "never in the main config file"
+                )
+            return [*checks, Check("iggy", "fail", said, fix)]
         checks.append(Check("iggy", "ok", f"{probe.node}: logged in as {s.username!r}"))
         if len(settings.iggy.nodes) > 1:
             checks.append(await _iggy_leader(probe))
@@ -571,6 +597,6 @@ def doctor(
             typer.secho(f"{MARK[c.status]} {c.name}: {c.detail}", fg=COLOUR[c.status])
             if c.fix and c.status in ("fail", "warn"):
                 typer.echo(f"    fix: {c.fix}")
-        typer.echo(f"\n{len(failed)} problem(s)" if failed else "\nall checks passed")
+        typer.echo("\n" + summary(checks))
     if failed:
         raise typer.Exit(1)

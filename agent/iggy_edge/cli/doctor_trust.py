@@ -26,7 +26,7 @@ from typing import Final
 
 from ..config import Settings
 from ..device_ids import device_id_problem
-from .doctor_types import Check, Status
+from .doctor_types import MOSQUITTO_CONF_HINT, Check, Status
 
 LOCAL_HOSTS: Final = {"127.0.0.1", "::1", "localhost"}
 LISTEN: Final = "0A"  # TCP_LISTEN in /proc/net/tcp
@@ -251,7 +251,7 @@ def check_device_users(settings: Settings, conf: Path) -> Check:
     if settings.mqtt.host not in LOCAL_HOSTS:
         return Check("device-users", "skip", f"broker on {settings.mqtt.host}: its files are not read here")
     if not conf.exists():
-        return Check("device-users", "skip", f"no {conf} on this machine")
+        return Check("device-users", "skip", f"no {conf} on this machine ({MOSQUITTO_CONF_HINT})")
     try:
         listeners = mosquitto_listeners(conf)
     except OSError as e:

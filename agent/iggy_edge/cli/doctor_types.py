@@ -15,3 +15,25 @@ class Check:
     status: Status
     detail: str
     fix: str = ""
+
+
+# Said wherever doctor reads (or looks for) the broker's config file.
+MOSQUITTO_CONF_HINT: Final = "name another with --mosquitto-conf PATH"
+
+
+def summary(checks: list[Check]) -> str:
+    """The last line of doctor's text output: failures, warnings and whether
+    the agent runs, never "all checks passed" when any of it is not so."""
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    agent = next((c for c in checks if c.name == "agent"), None)
+    warnings = f"{warned} warning{'s' if warned != 1 else ''}"
+    if failed:
+        line = f"{failed} problem{'s' if failed != 1 else ''}" + (f", {warnings}" if warned else "")
+    elif warned:
+        line = f"passed with {warnings}"
+    else:
+        line = "all checks passed"
+    if agent is not None and agent.status == "skip" and agent.detail.startswith("not running"):
+        line += "; the agent is not running"
+    return line
