@@ -159,6 +159,10 @@ async def test_dead_letters_list_and_replay_after_fixing_a_route(tmp_path: Path)
     assert "replayed 0" in same.stdout
     assert "still dead: 2 unroutable" in same.stdout
     assert "still dead: 1 oversize" in same.stdout  # 100 bytes > max_payload_bytes 64
+    # -c given to the group (before replay) is the config replay reads
+    outer = runner.invoke(app, ["buffer", "dead-letters", "-c", str(config), "replay", "--yes"])
+    assert outer.exit_code == 0, outer.output
+    assert "still dead: 2 unroutable" in outer.stdout
 
     # Fix the route for site/...: the small one replays, the truncated one cannot.
     config.write_text(

@@ -278,13 +278,26 @@ def dead_letters_list(
         )
 
 
+def _group_config(ctx: typer.Context, config: Path) -> Path:
+    """`dead-letters -c X replay`: the group's -c applies unless replay has its own."""
+    source = ctx.get_parameter_source("config")  # typer vendors click: compare by name
+    if source is not None and source.name == "DEFAULT" and ctx.parent is not None:
+        outer = ctx.parent.params.get("config")
+        if isinstance(outer, Path):
+            return outer
+    return config
+
+
 @dead_app.command("replay")
-def dead_letters_replay(config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = False) -> None:
+def dead_letters_replay(
+    ctx: typer.Context, config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = False
+) -> None:
     """Route the dead letters again with the current [[routes]] and move those that
     now route into the outbox (original receive time and order); the rest stay.
 
     Fix the route in the config first; needs the agent stopped (like purge).
     """
+    config = _group_config(ctx, config)
     settings = load_or_exit(config)
     path = settings.buffer_path
     router = Router(settings.routes, settings.buffer.max_payload_bytes)
