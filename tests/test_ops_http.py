@@ -8,7 +8,12 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
+import pty
+import select
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,12 +24,15 @@ from iggy_edge.cli.main import app
 from iggy_edge.cli.status import parse_metrics
 from iggy_edge.config import MetricsSettings, Settings, parse_listen
 from iggy_edge.httpd import MetricsServer, http_endpoint, local_url
+from iggy_edge.metrics import Metrics
 from iggy_edge.runtime import Agent
+from iggy_edge.store import Outbox
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker
+from tests.support.demo import AGENT
 from tests.support.mqtt import publish_all
 from tests.support.ports import free_port
 from tests.support.wait import async_wait_until
@@ -264,3 +272,68 @@ async def _answers(port: int) -> bool:
         return (await get(f"http://127.0.0.1:{port}/"))[0] == 200
     except OSError:
         return False
+
+
+async def _store_dead_letters(settings: Settings) -> None:
+    """Two dead letters in the buffer file, as a previous run of the agent left them."""
+    box = await Outbox.open(settings.buffer_path, settings.buffer, settings.gateway_id, Metrics())
+    box.start()
+    try:
+        await box.dead_letter(
+            mqtt_topic="x/y", payload=b"p", qos=1, retain=False, reason="unroutable", detail="d"
+        )
+        await box.dead_letter(
+            mqtt_topic="edge/d/up/e", payload=b"p" * 9, qos=1, retain=False, reason="oversize", detail="d"
+        )
+    finally:
+        await box.close()
+
+
+def _live_status_until_q(config: Path) -> tuple[int | None, bytes]:
+    """`iggy-edge status` in a terminal: wait for its view, press q; its exit
+    code (None when it did not end) and what it drew."""
+    main, side = pty.openpty()
+    proc = subprocess.Popen(
+        [AGENT, "status", "-c", str(config), "-i", "0.2"], stdin=side, stdout=side, stderr=side
+    )
+    os.close(side)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 20
+        while b"dead letters" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.5)
+            if ready:
+                seen += os.read(main, 4096)
+        os.write(main, b"q")
+        try:
+            return proc.wait(timeout=10), seen
+        except subprocess.TimeoutExpired:
+            return None, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main)
+
+
+async def test_status_shows_the_stored_dead_letters_after_a_restart_and_q_quits(
+    tmp_path: Path, broker: Broker
+) -> None:
+    port = free_port()
+    config = _config_file(tmp_path, broker, port)
+    settings = _settings(tmp_path, broker, port)
+    await _store_dead_letters(settings)
+    runner = CliRunner()
+    async with running_agent(settings, MemoryIggy().uplink(), components=(http_endpoint,)):
+        result = await asyncio.to_thread(runner.invoke, app, ["status", "-c", str(config), "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert not any(doc["store"]["dead_letters"].values())  # none since this start
+        assert doc["stored"]["dead_letters"] == 2
+        assert doc["stored"]["dead_letters_by_reason"] == {"oversize": 1, "unroutable": 1}
+        once = await asyncio.to_thread(runner.invoke, app, ["status", "-c", str(config), "--once"])
+        assert "stored 2 (oversize 1, unroutable 1); since start none" in once.stdout, once.stdout
+
+        code, drawn = await asyncio.to_thread(_live_status_until_q, config)
+        assert b"dead letters" in drawn, drawn
+        assert code == 0, drawn

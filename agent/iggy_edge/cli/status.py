@@ -11,7 +11,11 @@ the port (or another gateway's agent) is reported as not ours, never as a
 healthy agent.
 
 With stdout not a terminal (a pipe, a file, cron) there is no live view:
-status prints one snapshot, as with --once.
+status prints one snapshot, as with --once.  In the live view `q` (when
+stdin is a terminal) or Ctrl-C ends it.
+
+The dead letters line shows what the buffer file holds ("stored") beside the
+counters, which count only since the agent started.
 
 Exit status (for scripts): 0 running and healthy, 1 running but unhealthy,
 3 not running (as `systemctl status`), 4 something else answers at the
@@ -21,12 +25,17 @@ endpoint (not this gateway's agent).
 from __future__ import annotations
 
 import json
+import os
+import select
 import sqlite3
 import sys
+import termios
 import time
+import tty
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Annotated, Any
 
 import typer
@@ -194,6 +203,22 @@ def _nonzero(d: dict[str, int]) -> str:
     return shown or "none"
 
 
+def stored(settings: Settings) -> dict[str, Any]:
+    """What the buffer file holds (the counters count only since the agent
+    started: after a restart they say none while dead letters are stored)."""
+    try:
+        st = read_stats(settings.buffer_path)
+    except StoreError:
+        return {}
+    return {
+        "stored": {
+            "dead_letters": st.dead_letters,
+            "dead_letters_by_reason": st.dead_letters_by_reason,
+            "records": st.records,
+        }
+    }
+
+
 def render(f: dict[str, Any], source: str) -> Table:
     h = f["health"]
     title = (
@@ -235,9 +260,17 @@ def render(f: dict[str, Any], source: str) -> Table:
     )
     t.add_row("send errors", _nonzero(fw["errors"]) + f"; ambiguous retries {fw['ambiguous_retries']}")
     t.add_row("dropped", _nonzero(st["dropped"]))
+    stored = f.get("stored")
+    held = (
+        f"stored {stored['dead_letters']} ({_nonzero(stored['dead_letters_by_reason'])}); since start "
+        if stored is not None
+        else ""
+    )
     t.add_row(
         "dead letters",
-        _nonzero(st["dead_letters"]) + f"; {st['dead_letter_bytes'] / 1e6:.2f} MB; devices {st['devices']}",
+        held
+        + _nonzero(st["dead_letters"])
+        + f"; {st['dead_letter_bytes'] / 1e6:.2f} MB; devices {st['devices']}",
     )
     t.add_row("commands", _nonzero(dl["commands"]) + f"; inbox {dl['inbox_records']}")
     return t
@@ -254,7 +287,7 @@ def status(
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document (implies --once).")] = False,
 ) -> None:
-    """Live view of the running agent (ingest, backlog, uplink, drops, dead letters, commands)."""
+    """Live view of the running agent (ingest, backlog, uplink, drops, dead letters, commands); q quits."""
     settings = load_or_exit(config)
     if url is None:
         url = local_url(settings.metrics.listen)
@@ -268,7 +301,7 @@ def status(
         _not_running(settings.buffer_path, url, e, as_json)
         raise typer.Exit(EXIT_NOT_RUNNING) from None
     if as_json or once or not sys.stdout.isatty():
-        f = figures(snap)
+        f = figures(snap) | stored(settings)
         if as_json:
             typer.echo(json.dumps(f | {"agent": "running", "url": url}))
         else:
@@ -276,18 +309,57 @@ def status(
         raise typer.Exit(0 if snap.healthy else EXIT_UNHEALTHY)
     prev = snap
     try:
-        with Live(render(figures(snap), url), auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
+        first = render(figures(snap) | stored(settings), url)
+        with QuitKey() as keys, Live(first, auto_refresh=False) as live:
+            while not keys.pressed_within(interval):
                 try:
                     snap = scrape(url, settings)
                 except (OSError, NotOurs) as e:
                     live.update(Table(title=f"[red]agent stopped answering at {url}: {e}[/]"), refresh=True)
                     continue
-                live.update(render(figures(snap, prev), url), refresh=True)
+                live.update(render(figures(snap, prev) | stored(settings), url), refresh=True)
                 prev = snap
     except KeyboardInterrupt:
         pass
+
+
+class QuitKey:
+    """`q` ends the live view when stdin is a terminal (read in cbreak mode,
+    the terminal's settings restored on exit); otherwise only Ctrl-C does."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None  # watched for keys
+        self._saved: tuple[int, list[Any]] | None = None  # restored on exit
+
+    def __enter__(self) -> QuitKey:
+        if sys.stdin.isatty():
+            fd = sys.stdin.fileno()
+            self._saved = (fd, termios.tcgetattr(fd))
+            tty.setcbreak(fd)
+            self._fd = fd
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._saved is not None:
+            termios.tcsetattr(self._saved[0], termios.TCSADRAIN, self._saved[1])
+
+    def pressed_within(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds; True when `q` was pressed."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if self._fd is None:
+                time.sleep(left)
+                return False
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if ready:
+                key = os.read(self._fd, 1)
+                if key in (b"q", b"Q"):
+                    return True
+                if not key:  # end of input: stop watching it
+                    self._fd = None
+        return False
 
 
 def _not_ours(url: str, why: str, as_json: bool) -> None:
