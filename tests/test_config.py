@@ -333,3 +333,69 @@ def test_config_reference_documents_every_key() -> None:
                 missing.append(f"{section}.{name}".lstrip("."))
     assert not missing, f"not in docs/config.md: {missing}"
     assert "`credentials_file`" in text
+
+
+# -- strict types, passwords in the main file, --json ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "says"),
+    [
+        (
+            '[mqtt]\nport = "1883"\n',
+            "mqtt.port",
+            "must be an integer, not a string '1883' (write it without quotes)",
+        ),
+        ("[mqtt]\ntls = 1\n", "mqtt.tls", "must be true or false, not an integer 1"),
+        ('[iggy]\ncreate_missing = "false"\n', "iggy.create_missing", "must be true or false, not a string"),
+        ("[buffer]\nmax_records = true\n", "buffer.max_records", "must be an integer, not a boolean True"),
+        ('[forward]\nlinger_ms = "5"\n', "forward.linger_ms", "must be a number, not a string '5'"),
+        ("[buffer]\nmax_records = 10.0\n", "buffer.max_records", "must be an integer, not a float 10.0"),
+    ],
+)
+def test_toml_values_of_the_wrong_type_are_refused_not_converted(
+    tmp_path: Path, text: str, key: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, MINIMAL + text), env={})
+    assert [(k, m) for k, m in e.value.problems if k == key and says in m], e.value.problems
+
+
+def test_strict_types_still_take_the_environments_strings_and_toml_ints_for_floats(tmp_path: Path) -> None:
+    s = load_config(
+        write(tmp_path, MINIMAL + "[forward]\nlinger_ms = 5\n"),
+        env={"IGGY_EDGE_MQTT_PORT": "1884", "IGGY_TLS": "true", "IGGY_ADDRESS": "10.0.0.1:8090"},
+    )
+    assert (s.mqtt.port, s.iggy.tls, s.forward.linger_ms) == (1884, True, 5.0)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, MINIMAL), env={"IGGY_EDGE_MQTT_PORT": "eighty"})
+    assert [k for k, _ in e.value.problems] == ["mqtt.port"]
+
+
+def test_config_check_warns_of_a_password_in_the_main_file(tmp_path: Path) -> None:
+    cfg = write(tmp_path, MINIMAL + '[mqtt]\nusername = "u"\npassword = "in-the-file"\n')
+    result = runner.invoke(app, ["config", "check", str(cfg)], env={})
+    assert result.exit_code == 0, result.output
+    assert "warning: mqtt.password: a password in the main config file; put it in /etc/iggy-edge/env" in (
+        result.stderr
+    )
+    assert "in-the-file" not in result.output
+    clean = runner.invoke(app, ["config", "check", str(write(tmp_path, MINIMAL, "clean.toml"))], env={})
+    assert "warning" not in clean.output
+
+
+def test_config_check_json(tmp_path: Path) -> None:
+    cfg = write(tmp_path, MINIMAL + '[iggy]\npassword = "in-the-file"\n')
+    result = runner.invoke(app, ["config", "check", "--json", str(cfg)], env={})
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["ok"], doc["gateway_id"], doc["problems"]) == (True, "gw-1", [])
+    assert [w["key"] for w in doc["warnings"]] == ["iggy.password"]
+    assert "in-the-file" not in result.stdout
+    bad = write(tmp_path, 'gateway_id = "g"\n[mqtt]\nport = "1883"\n', "bad.toml")
+    result = runner.invoke(app, ["config", "check", "--json", str(bad)], env={})
+    assert result.exit_code == 2
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False
+    assert [p["key"] for p in doc["problems"]] == ["mqtt.port"]
+    assert result.stderr == ""

@@ -28,6 +28,8 @@ import os
 import re
 import ssl
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -40,6 +42,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -151,10 +154,53 @@ class ConfigError(Exception):
         super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
 
 
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The int/float/bool types a field takes, when it takes only those (and None)."""
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else ()
+    )
+    plain = (
+        typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in (args or (annotation,))
+    )
+    kinds = {a for a in plain if a is not type(None)}
+    return kinds if kinds and kinds <= {int, float, bool} else set()
+
+
+def _strict_scalar(value: Any, kinds: set[type]) -> Any:
+    """TOML has real integers, floats and booleans: "1883" for a port or 1
+    for a bool is a mistake, not something to convert (pydantic's lax mode
+    would).  Environment overrides are converted before (_apply_env)."""
+    if value is None:
+        return value
+    if bool in kinds and isinstance(value, bool):
+        return value
+    if not isinstance(value, bool) and (
+        (int in kinds and isinstance(value, int)) or (float in kinds and isinstance(value, int | float))
+    ):
+        return value
+    want = " or ".join(
+        sorted({int: "an integer", float: "a number", bool: "true or false"}[k] for k in kinds)
+    )
+    got = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(
+        type(value), "a table or list"
+    )
+    hint = " (write it without quotes)" if isinstance(value, str) else ""
+    raise ValueError(f"must be {want}, not {got} {value!r}{hint}")
+
+
 class _Model(BaseModel):
     # inf and nan are valid TOML floats but no setting means them: inf as a
     # linger or a timeout would wedge a stage, nan compares false to everything.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        kinds = _scalar_kinds(field.annotation) if field is not None else set()
+        return _strict_scalar(value, kinds) if kinds else value
 
 
 class Subscription(_Model):
@@ -477,6 +523,10 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     for var, key in simple.items():
         if var in env:
             _set(raw, key, env[var])
+    # The environment gives strings; the models take TOML's real types.
+    port = env.get("IGGY_EDGE_MQTT_PORT", "").strip()
+    if re.fullmatch(r"[0-9]{1,5}", port):
+        _set(raw, "mqtt.port", int(port))
     if "IGGY_TLS" in env:
         _set(raw, "iggy.tls", env["IGGY_TLS"].strip().lower() in TRUE_WORDS)
 
@@ -654,6 +704,18 @@ def parse_config(
     if problems:
         raise ConfigError(source, problems)
     return settings
+
+
+def passwords_in_file(path: Path) -> list[str]:
+    """The keys of passwords written in the main config file itself (they
+    belong in /etc/iggy-edge/env or a credentials_file: the main file is
+    world-readable and gets copied, diffed and pasted)."""
+    raw = _read_toml(path, "config")
+    return [
+        f"{section}.password"
+        for section in ("mqtt", "iggy")
+        if isinstance(raw.get(section), dict) and "password" in raw[section]
+    ]
 
 
 def load_config(path: Path, *, env: Mapping[str, str] | None = None) -> Settings:
