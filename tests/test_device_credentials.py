@@ -5,6 +5,7 @@ and logins follow without a restart."""
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import time
@@ -91,6 +92,12 @@ def test_add_rotate_revoke_list_take_effect_on_a_running_broker(gw: GatewayBroke
     listed = cli(gw, "list")
     assert listed.exit_code == 0
     assert listed.output.split() == ["sensor-01", "sensor-02"]
+    as_json = cli(gw, "list", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout) == {
+        "passwd_file": str(gw.devices_passwd),
+        "users": ["sensor-01", "sensor-02"],
+    }
 
     again = cli(gw, "add", "sensor-01", "--password-env", "SENSOR_PW", env={"SENSOR_PW": PW})
     assert again.exit_code == 1

@@ -13,6 +13,7 @@ it was generated here, once.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -320,12 +321,20 @@ def revoke(
 
 
 @app.command("list")
-def list_users(passwd_file: PasswdOpt = DEVICES_PASSWD) -> None:
+def list_users(
+    passwd_file: PasswdOpt = DEVICES_PASSWD,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON document: the file and its users.")
+    ] = False,
+) -> None:
     """Device users in the password file (names only; passwords are hashed)."""
     try:
         names = users(passwd_file)
     except CredentialsError as e:
         raise fail(str(e)) from None
+    if as_json:
+        typer.echo(json.dumps({"passwd_file": str(passwd_file), "users": names}))
+        return
     if not names:
         typer.echo(f"no device credentials in {passwd_file}: add one with `iggy-edge device credentials add`")
         return
