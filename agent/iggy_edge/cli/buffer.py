@@ -84,9 +84,10 @@ def stats(
 
 @app.command("ack-salvage")
 def ack_salvage_cmd(config: ConfigOption = DEFAULT_CONFIG) -> None:
-    """Acknowledge that a damaged buffer was moved aside and salvaged (or a
-    damaged WAL copied aside): health stops showing it.  Look at `buffer stats`
-    first; the moved file stays where it is for inspection."""
+    """Acknowledge a salvaged buffer (or a damaged WAL copied aside): health stops showing it.
+
+    Look at `buffer stats` first; the moved file stays where it is for inspection.
+    """
     settings = load_or_exit(config)
     try:
         n = ack_salvage(settings.buffer_path)
@@ -292,8 +293,9 @@ def _group_config(ctx: typer.Context, config: Path) -> Path:
 def dead_letters_replay(
     ctx: typer.Context, config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = False
 ) -> None:
-    """Route the dead letters again with the current [[routes]] and move those that
-    now route into the outbox (original receive time and order); the rest stay.
+    """Route the dead letters again with the current [\\[routes]]; those that route go to the outbox.
+
+    They keep their original receive time and order; the rest stay dead letters.
 
     Fix the route in the config first; needs the agent stopped (like purge).
     """

@@ -254,8 +254,11 @@ def install(
         typer.Option(help="Write files under this directory; no user, no systemctl (images, tests)."),
     ] = None,
 ) -> None:
-    """Write the systemd unit for this installation, create the service user and
-    directories, reload systemd and enable the service."""
+    """Install the systemd service: unit, service user and directories; enable it.
+
+    Writes the unit for this installation, creates the service user and its
+    directories, reloads systemd and enables the service.
+    """
     _preflight(dry_run, root)
     exe = executable or current_executable()
     config = config.absolute()
@@ -321,8 +324,10 @@ def uninstall(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the steps; change nothing.")] = False,
     root: Annotated[Path | None, typer.Option(help="Remove from this directory tree; no systemctl.")] = None,
 ) -> None:
-    """Stop and disable the service and remove its unit.  Keeps the config,
-    the secrets, the buffer (/var/lib/iggy-edge) and the user."""
+    """Stop and disable the service and remove its unit.
+
+    Keeps the config, the secrets, the buffer (/var/lib/iggy-edge) and the user.
+    """
     _preflight(dry_run, root)
     base = root or Path("/")
     unit_path = base / UNIT_DIR.relative_to("/") / UNIT_NAME
