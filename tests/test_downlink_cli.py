@@ -54,12 +54,12 @@ async def test_send_refuses_a_memory_iggy_with_a_reason(tmp_path: Path) -> None:
     code, _, err = await cli("command", "send", "-c", str(conf), "--device", "d1", "--name", "x")
     assert code == 2
     assert "memory Iggy lives inside the agent process" in err
-    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "-n", "x", "--args", "[1]")
+    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "--name", "x", "--args", "[1]")
     assert code == 2
     assert "JSON object" in err
     # too big for a device: refused before anything is sent, with the limit
     big = json.dumps({"blob": "x" * 5000})
-    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "-n", "x", "--args", big)
+    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "d1", "--name", "x", "--args", big)
     assert code == 2
     assert "over the 4096-byte limit devices accept" in err
     desired = tmp_path / "big.json"
@@ -115,8 +115,9 @@ async def test_send_and_push_through_a_real_iggy_server(
             str(conf),
             "-d",
             "dev-9",
-            "-n",
+            "--name",
             "relay",
+            "--json",
             "--args",
             '{"on": true}',
             "--ttl",

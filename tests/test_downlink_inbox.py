@@ -74,7 +74,7 @@ def test_parse_command_rejects(payload: bytes, why: str) -> None:
 
 
 def test_parse_ack() -> None:
-    assert parse_ack(b'{"id":"a","status":"ok","result":1}') == Ack("a", "ok", None)
+    assert parse_ack(b'{"id":"a","status":"ok","result":1}') == Ack("a", "ok", None, "1")
     assert parse_ack(b'{"id":"a","status":"error","error":"boom"}') == Ack("a", "error", "boom")
     assert Ack("a", "error", None).state is CommandState.FAILED
     assert Ack("a", "expired", None).state is CommandState.EXPIRED

@@ -25,6 +25,7 @@ from iggy_edge.downlink.commands import (
     commands_topic,
     make_command,
     make_config,
+    parse_ack,
     parse_command,
     partition_of,
     read_command,
@@ -301,3 +302,24 @@ async def test_command_list_escapes_what_the_cloud_side_and_devices_wrote(tmp_pa
     assert "\u202e" not in result.output
     assert "dev\\x1b[31m" in result.output
     assert "device: boom\\x1b[31m\\x07" in result.output
+
+
+async def test_command_list_shows_the_result_the_device_sent(tmp_path: Path) -> None:
+    settings = downlink_settings(tmp_path)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    try:
+        cmd = Command("c-1", "dev-1", "read", {}, 1.7e9, 1.8e9)
+        await inbox.store_polled("edge", "t", 0, 0, [(cmd, "t/0@0")])
+        ack = parse_ack(b'{"id": "c-1", "status": "ok", "result": {"t": 21.5, "unit": "C"}}')
+        assert ack is not None
+        assert ack.result == '{"t":21.5,"unit":"C"}'
+        await inbox.apply_acks([("dev-1", ack)])
+    finally:
+        await inbox.close()
+    config = tmp_path / "config.toml"
+    config.write_text(f'gateway_id = "gw-test"\nstate_dir = "{settings.state_dir}"\n')
+    result = CliRunner().invoke(app, ["command", "list", "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("c-1"))
+    assert "acked" in row
+    assert row.endswith('result: {"t":21.5,"unit":"C"}')

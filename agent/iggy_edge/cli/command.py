@@ -63,13 +63,14 @@ def _publish(settings: Settings, topic: str, device: str, payload: bytes) -> dic
 @app.command("send")
 def send(
     device: Annotated[str, typer.Option("--device", "-d", help="Target device id.")],
-    name: Annotated[str, typer.Option("--name", "-n", help="Command name.")],
+    name: Annotated[str, typer.Option("--name", help="Command name.")],
     args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
     ttl: Annotated[
         float | None,
         typer.Option("--ttl", min=0.001, help="Seconds until it expires (default downlink.default_ttl_s)."),
     ] = None,
     command_id: Annotated[str | None, typer.Option("--id", help="Command id (default: random).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was sent as one JSON object.")] = False,
     config: ConfigOption = DEFAULT_CONFIG,
 ) -> None:
     """Write a command for DEVICE into Iggy, as the cloud side would; prints its id."""
@@ -91,7 +92,16 @@ def send(
     except InvalidCommand as e:
         raise fail(str(e), 2) from None
     where = _publish(settings, commands_topic(settings), device, cmd.wire())
-    typer.echo(json.dumps({"id": cmd.id, "device": device, "expires_at": cmd.expires_at, **where}))
+    if as_json:
+        typer.echo(json.dumps({"id": cmd.id, "device": device, "expires_at": cmd.expires_at, **where}))
+        return
+    expires = _when(cmd.expires_at)
+    typer.echo(f"sent command {cmd.id} ({printable(name)}) for {device}: {_where(where)}; expires {expires}")
+    typer.echo(f"follow it with: iggy-edge command list --device {device}")
+
+
+def _where(where: dict[str, Any]) -> str:
+    return f"{where['stream']}/{where['topic']} partition {where['partition']}, offset {where['offset']}"
 
 
 def _when(ts: float) -> str:
@@ -122,7 +132,7 @@ def list_commands(
     if not rows:
         typer.echo("no commands")
     else:
-        typer.echo(f"{'ID':<18} {'DEVICE':<16} {'NAME':<16} {'STATE':<10} {'UPDATED':<19} DETAIL")
+        typer.echo(f"{'ID':<18} {'DEVICE':<16} {'NAME':<16} {'STATE':<10} {'UPDATED':<19} RESULT / DETAIL")
         for r in rows:
             # Ids, names and the device's error text come from the cloud side
             # and the devices: escaped, so no escape sequence reaches the terminal.
@@ -143,6 +153,7 @@ def config_push(
     config_id: Annotated[
         str | None, typer.Option("--id", help="Config id/version (default: random).")
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was sent as one JSON object.")] = False,
     config: ConfigOption = DEFAULT_CONFIG,
 ) -> None:
     """Send FILE as DEVICE's desired configuration (published retained to the device)."""
@@ -158,13 +169,17 @@ def config_push(
     except InvalidCommand as e:
         raise fail(str(e), 2) from None
     where = _publish(settings, config_topic(settings), device, cfg.wire())
-    typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))
+    if as_json:
+        typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))
+    else:
+        typer.echo(f"sent config {printable(cfg.id)} for {device}: {_where(where)}")
 
 
 def config_republish(
     device: Annotated[
         str | None, typer.Option("--device", "-d", help="Only this device (default: every device).")
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as one JSON object.")] = False,
     config: ConfigOption = DEFAULT_CONFIG,
 ) -> None:
     """Publish the newest desired config of every device (or DEVICE) again, retained.
@@ -184,4 +199,9 @@ def config_republish(
     if device is not None and not any(r[0] == device for r in rows):
         raise fail(f"no desired config for device {device!r} in {settings.buffer_path}")
     waiting = [r[0] for r in rows if r[2] == "received" and device in (None, r[0])]
-    typer.echo(json.dumps({"marked": marked, "device": device, "still_due": waiting}))
+    if as_json:
+        typer.echo(json.dumps({"marked": marked, "device": device, "still_due": waiting}))
+        return
+    typer.echo(f"marked {marked} config(s) for the running agent to publish again (it does within a second)")
+    if waiting:
+        typer.echo(f"not yet delivered, going out anyway: {', '.join(printable(d) for d in waiting)}")

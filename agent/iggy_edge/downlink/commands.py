@@ -147,6 +147,7 @@ class Ack:
     id: str
     status: str
     error: str | None
+    result: str | None = None  # the device's result (JSON text, cut to 200 characters), when it sent one
 
     @property
     def state(self) -> CommandState:
@@ -359,8 +360,14 @@ def parse_ack(payload: bytes) -> Ack | None:
     cid, status = doc.get("id"), doc.get("status")
     if not isinstance(cid, str) or not cid or not isinstance(status, str) or not status:
         return None
-    error = doc.get("error")
-    return Ack(cid, status, None if error is None else str(error)[:200])
+    error, result = doc.get("error"), doc.get("result")
+    shown = None
+    if result is not None:
+        try:
+            shown = json.dumps(result, separators=_SEP, ensure_ascii=False)[:200]
+        except (TypeError, ValueError, RecursionError):  # parsed JSON re-serialises; bounded anyway
+            shown = None
+    return Ack(cid, status, None if error is None else str(error)[:200], shown)
 
 
 # -- building (the cloud side's view: CLI, tests, benchmarks) ---------------------

@@ -380,7 +380,11 @@ class Inbox:
         async with self._transaction():
             for i, (device, ack) in enumerate(items):
                 before = self._conn.total_changes
-                detail = "" if ack.error is None else f"device: {ack.error}"
+                detail = (
+                    f"device: {ack.error}"
+                    if ack.error is not None
+                    else (f"result: {ack.result}" if ack.result is not None else "")
+                )
                 await self._conn.execute(
                     "UPDATE downlink_commands SET state = ?, detail = ?, updated_at = ?"
                     " WHERE id = ? AND device = ? AND state IN (?, ?)",
