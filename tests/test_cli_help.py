@@ -59,3 +59,16 @@ def test_short_help_in_a_group_is_the_whole_first_paragraph() -> None:
             if first not in shown:
                 cut.append((" ".join(path), name))
     assert cut == []
+
+
+def test_arguments_in_usage_lines_are_named_as_the_help_text_names_them() -> None:
+    """typer marks a required argument {NAME}; the name is the one the
+    command's text uses (FILE, DEVICE_ID), not the Python parameter's."""
+    lowercase = []
+    for path, _command in ALL:
+        usage = re.search(
+            r"Usage: \S+(?: \S+)*? \[OPTIONS\]((?: [{\[][A-Za-z_]+[}\]](?:\.\.\.)?)*)", help_of(path)
+        )
+        assert usage, path
+        lowercase += [(path, m) for m in re.findall(r"[{\[]([a-z_]+)[}\]]", usage[1])]
+    assert lowercase == []

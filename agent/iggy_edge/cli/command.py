@@ -147,7 +147,10 @@ def list_commands(
 
 def config_push(
     file: Annotated[
-        Path, typer.Argument(help="Desired configuration: a JSON object.", exists=True, dir_okay=False)
+        Path,
+        typer.Argument(
+            metavar="FILE", help="Desired configuration: a JSON object.", exists=True, dir_okay=False
+        ),
     ],
     device: Annotated[str, typer.Option("--device", "-d", help="Target device id.")],
     config_id: Annotated[

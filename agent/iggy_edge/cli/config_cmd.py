@@ -23,7 +23,7 @@ app = typer.Typer(help="Validate and inspect configuration.", no_args_is_help=Tr
 
 @app.command("check")
 def check(
-    file: Annotated[Path, typer.Argument(help="Configuration file to validate.")],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="Configuration file to validate.")],
     show: Annotated[
         bool, typer.Option("--show", help="Print the effective settings (secrets masked).")
     ] = False,

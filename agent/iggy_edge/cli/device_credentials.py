@@ -280,7 +280,7 @@ def _set(
 
 @app.command()
 def add(
-    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    device_id: Annotated[str, typer.Argument(metavar="DEVICE_ID", help="Device id = MQTT user name.")],
     passwd_file: PasswdOpt = DEVICES_PASSWD,
     password_env: PasswordEnvOpt = None,
     broker_pid: PidOpt = None,
@@ -293,7 +293,7 @@ def add(
 
 @app.command()
 def rotate(
-    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    device_id: Annotated[str, typer.Argument(metavar="DEVICE_ID", help="Device id = MQTT user name.")],
     passwd_file: PasswdOpt = DEVICES_PASSWD,
     password_env: PasswordEnvOpt = None,
     broker_pid: PidOpt = None,
@@ -306,7 +306,7 @@ def rotate(
 
 @app.command()
 def revoke(
-    device_id: Annotated[str, typer.Argument(help="Device id = MQTT user name.")],
+    device_id: Annotated[str, typer.Argument(metavar="DEVICE_ID", help="Device id = MQTT user name.")],
     passwd_file: PasswdOpt = DEVICES_PASSWD,
     broker_pid: PidOpt = None,
     pid_file: PidFileOpt = None,
