@@ -294,7 +294,11 @@ class MqttLog:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=5)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # stuck in a reconnect to a stopped broker, under load
+                self.proc.kill()
+                self.proc.wait(timeout=5)
         self._out.close()
 
 
