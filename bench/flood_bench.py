@@ -219,12 +219,7 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
             hwm, rss = vm_hwm_kb(agent.pid), vm_rss_kb(agent.pid)
             parts = rss_parts_mb(agent.pid)
         finally:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
+            stop_agent(agent)
             log.close()
         restarted = (
             idle_rss_after_restart_mb(workdir, conf, metrics_port) if name in DISTINCT_TOPICS else None
@@ -252,6 +247,16 @@ def run_flood(workdir: Path, name: str, scale: float = 1.0) -> dict[str, Any]:
     }
 
 
+def stop_agent(agent: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as systemd stops it; SIGKILL after 60 s."""
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
+
+
 def idle_rss_after_restart_mb(workdir: Path, conf: Path, metrics_port: int) -> float:
     """A fresh agent on the flooded buffer, once connected and idle for 3 s."""
     with (workdir / "agent-restart.log").open("wb") as log:
@@ -268,12 +273,7 @@ def idle_rss_after_restart_mb(workdir: Path, conf: Path, metrics_port: int) -> f
             time.sleep(3.0)
             return round(vm_rss_kb(agent.pid) / 1024, 1)
         finally:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
+            stop_agent(agent)
 
 
 def main() -> None:
