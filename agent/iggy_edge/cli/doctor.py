@@ -57,7 +57,7 @@ from ..uplink.iggy.errors import IGGY_SDK_VERSION, IncompatibleServer
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption
 from .doctor_trust import check_agent_listener, check_device_users, check_iggy_transport
-from .doctor_types import LOCAL_HOSTS, MOSQUITTO_CONF_HINT, Check, Status, summary
+from .doctor_types import MOSQUITTO_CONF_HINT, Check, Status, not_local_broker, summary
 
 DEFAULT_ENV_FILE: Final = Path("/etc/iggy-edge/env")
 TIMEOUT_S: Final = 5.0
@@ -280,10 +280,8 @@ def mosquitto_settings(conf: Path) -> dict[str, str]:
 def check_broker_config(settings: Settings, conf: Path = MOSQUITTO_CONF) -> Check:
     """The local Mosquitto's options that decide whether the agent's session
     keeps what is queued for it (docs/operations.md, Mosquitto)."""
-    if settings.mqtt.host not in LOCAL_HOSTS:
-        return Check("broker-config", "skip", f"broker on {settings.mqtt.host}: its config is not read here")
-    if not conf.exists():
-        return Check("broker-config", "skip", f"no {conf} on this machine ({MOSQUITTO_CONF_HINT})")
+    if (skip := not_local_broker("broker-config", settings, conf)) is not None:
+        return skip
     try:
         values = mosquitto_settings(conf)
     except OSError as e:

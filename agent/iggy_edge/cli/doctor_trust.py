@@ -26,9 +26,8 @@ from typing import Final
 
 from ..config import Settings
 from ..device_ids import device_id_problem
-from .doctor_types import MOSQUITTO_CONF_HINT, Check, Status
+from .doctor_types import LOCAL_HOSTS, Check, Status, not_local_broker
 
-LOCAL_HOSTS: Final = {"127.0.0.1", "::1", "localhost"}
 LISTEN: Final = "0A"  # TCP_LISTEN in /proc/net/tcp
 PROC: Final = Path("/proc")
 AGENT_LISTENER_FIX: Final = (
@@ -248,10 +247,8 @@ def password_file_users(path: Path) -> list[str]:
 def check_device_users(settings: Settings, conf: Path) -> Check:
     """Names in the devices' password files that are not device ids, and a
     devices' listener sharing the agent's ACL."""
-    if settings.mqtt.host not in LOCAL_HOSTS:
-        return Check("device-users", "skip", f"broker on {settings.mqtt.host}: its files are not read here")
-    if not conf.exists():
-        return Check("device-users", "skip", f"no {conf} on this machine ({MOSQUITTO_CONF_HINT})")
+    if (skip := not_local_broker("device-users", settings, conf)) is not None:
+        return skip
     try:
         listeners = mosquitto_listeners(conf)
     except OSError as e:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, Literal
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 Status = Literal["ok", "warn", "fail", "skip"]
 LOCAL_HOSTS: Final = {"127.0.0.1", "::1", "localhost"}
@@ -37,3 +41,13 @@ def summary(checks: list[Check]) -> str:
     if agent is not None and agent.status == "skip" and agent.detail.startswith("not running"):
         line += "; the agent is not running"
     return line
+
+
+def not_local_broker(name: str, settings: Settings, conf: Path) -> Check | None:
+    """The skip of a check that reads the broker's files, when they are not
+    this machine's to read (a remote broker, or no such config here)."""
+    if settings.mqtt.host not in LOCAL_HOSTS:
+        return Check(name, "skip", f"broker on {settings.mqtt.host}: its config is not read here")
+    if not conf.exists():
+        return Check(name, "skip", f"no {conf} on this machine ({MOSQUITTO_CONF_HINT})")
+    return None
