@@ -91,3 +91,14 @@ def test_bad_prefixes_are_refused_with_a_reason(bad: object):
 def test_longest_reading_topic_fits_the_iggy_header_cap():
     layout = TopicLayout("p" * MAX_PREFIX_BYTES)
     assert len(layout.up("d" * MAX_CHARS, "c" * 32).encode()) <= MAX_TOPIC_BYTES
+
+
+def test_settings_carry_the_layout_and_refuse_a_bad_prefix():
+    from iggy_edge.config import ConfigError, parse_config  # noqa: PLC0415
+
+    assert parse_config({"gateway_id": "gw"}, env={}).topics == DEFAULT
+    assert (
+        parse_config({"gateway_id": "gw", "topic_prefix": "site/edge"}, env={}).topics.prefix == "site/edge"
+    )
+    with pytest.raises(ConfigError, match="topic_prefix"):
+        parse_config({"gateway_id": "gw", "topic_prefix": "a/+"}, env={})

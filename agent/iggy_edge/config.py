@@ -47,6 +47,8 @@ from pydantic import (
     model_validator,
 )
 
+from .topics import DEFAULT_PREFIX, TopicLayout, prefix_problem
+
 IGGY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 TRUE_WORDS = {"1", "true", "yes", "on"}
 # A configuration file is small; anything bigger is not one (and would be
@@ -459,6 +461,9 @@ class LoggingSettings(_Model):
 class Settings(_Model):
     gateway_id: str
     state_dir: FilePath = Path("/var/lib/iggy-edge")
+    # The devices' topics hang off this prefix (topics.py); the device
+    # library's `topic_prefix` must say the same.
+    topic_prefix: str = DEFAULT_PREFIX
     mqtt: MqttSettings = MqttSettings()
     iggy: IggySettings = IggySettings()
     # At least one rule: with none every message would be dead-lettered.
@@ -483,6 +488,19 @@ class Settings(_Model):
         if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", v):
             raise ValueError("1-64 characters, letters, digits, '-' or '_'")
         return v
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _valid_prefix(cls, v: str) -> str:
+        problem = prefix_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @property
+    def topics(self) -> TopicLayout:
+        """The device topic layout (topics.py), from `topic_prefix`."""
+        return TopicLayout(self.topic_prefix)
 
     @property
     def buffer_path(self) -> Path:
