@@ -62,6 +62,7 @@ Design
   (`iggy-edge buffer ack-salvage`).
 """
 
+from .base import redelivery_key
 from .commit import Incoming
 from .db import Database, NoDatabase, StoreError, ro_connect, sync_transaction
 from .outbox import Outbox
@@ -89,6 +90,7 @@ __all__ = [
     "accounted_bytes",
     "device_seq_of",
     "open_database",
+    "redelivery_key",
     "ro_connect",
     "sync_transaction",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,11 +25,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("iggy_edge.store")
 
 
-def recent_key(mqtt_topic: str, device_seq: int, crc: int) -> tuple[str, int]:
+# The redelivery window's key of a record (`recent_key`).
+RecentKey = tuple[str, int]
+
+
+def recent_key(mqtt_topic: str, device_seq: int, crc: int) -> RecentKey:
     """The redelivery window's key for (topic, device sequence, payload CRC32):
     exact (`crc` takes the low 32 bits, so no two triples share a key), with
     the topic interned so the entries of one device share one string."""
     return sys.intern(mqtt_topic), device_seq << 32 | crc
+
+
+def redelivery_key(mqtt_topic: str, qos: int, device_seq: int | None, payload: bytes) -> RecentKey | None:
+    """The key a record is recognised by when it comes again, or None when
+    it is not recognised: only QoS1/2 comes back as a broker redelivery, and
+    only a record with a device sequence can be told from a new one.  Ingest
+    computes it once per message (`Incoming.key`): the payload's CRC is
+    taken here only."""
+    if device_seq is None or not qos:
+        return None
+    return sys.intern(mqtt_topic), device_seq << 32 | zlib.crc32(payload)
 
 
 @dataclass

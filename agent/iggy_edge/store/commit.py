@@ -7,7 +7,6 @@ import contextlib
 import logging
 import sqlite3
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -16,7 +15,7 @@ from typing import Any
 
 from ..records import Route
 from ..timeouts import wait_for
-from .base import recent_key
+from .base import RecentKey, redelivery_key
 from .bounds import Bounds
 from .db import StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
@@ -36,6 +35,8 @@ class Incoming:
     received_us: int
     payload: bytes
     device_seq: int | None = None
+    # `redelivery_key` (ingest computes it once per message); None: derived at submit
+    key: RecentKey | None = None
 
 
 @dataclass
@@ -43,6 +44,7 @@ class _Group:
     items: list[Incoming] = field(default_factory=list)
     done: asyncio.Future[None] | None = None
     nbytes: int = 0  # payload bytes
+    keys: set[RecentKey] = field(default_factory=set)  # the redelivery keys of its items
 
 
 @lru_cache(maxsize=64)
@@ -57,6 +59,20 @@ class GroupCommit(DeadLetters, Bounds):
     groups, dead.py)."""
 
     _pending: _Group
+    _committing: _Group | None = None  # the group whose commit is under way
+
+    def copy_of(self, key: RecentKey) -> asyncio.Future[None] | bool:
+        """Redelivery recognition, in one place: is a message with this
+        `redelivery_key` a copy of a record submitted before?  True when that
+        record is committed (in the redelivery window), the future of its
+        group commit while it waits for it (acknowledge the copy with it),
+        False when there is none."""
+        if key in self._recent:
+            return True
+        for group in (self._pending, self._committing):
+            if group is not None and group.done is not None and key in group.keys:
+                return group.done
+        return False
 
     def submit(self, item: Incoming) -> asyncio.Future[None]:
         """Queue a record for the next group commit (synchronous, so arrival
@@ -69,6 +85,11 @@ class GroupCommit(DeadLetters, Bounds):
         if group.done is None:
             group.done = asyncio.get_running_loop().create_future()
         group.items.append(item)
+        key = item.key
+        if key is None and item.device_seq is not None:
+            key = item.key = redelivery_key(item.mqtt_topic, item.qos, item.device_seq, item.payload)
+        if key is not None:
+            group.keys.add(key)
         self._reserve(item.route.key, item.mqtt_topic)
         n = len(item.payload)
         group.nbytes += n
@@ -112,8 +133,12 @@ class GroupCommit(DeadLetters, Bounds):
             if self._pending.items:
                 # The whole group commits at once: its size is bounded by the broker's
                 # in-flight window (receive maximum) plus the QoS0 queue limit.
-                group, self._pending = self._pending, _Group()
-                await self._commit_group(group)
+                group = self._committing = self._pending
+                self._pending = _Group()
+                try:
+                    await self._commit_group(group)
+                finally:
+                    self._committing = None
             await self._commit_dead_groups()
 
     def _room_to_wait(self) -> bool:
@@ -178,13 +203,14 @@ class GroupCommit(DeadLetters, Bounds):
                     it.received_us,
                     it.device_seq,
                     it.payload,
+                    it.key,
                 )
             )
             add_bytes += accounted_bytes(len(it.payload), it.mqtt_topic)
         fit = self._fit(rows, add_bytes)
         rows = fit.rows
         await self._db.synchronous(self._sync_insert)
-        recent: list[tuple[str, int, int, int]] = []
+        recent: list[tuple[RecentKey, int]] = []
         new_sources: dict[tuple[int, str, str], int] = {}
         outbox_rows: list[tuple[Any, ...]] = []
         async with self._db.transaction():
@@ -195,21 +221,16 @@ class GroupCommit(DeadLetters, Bounds):
                 await self._insert_rows(
                     "INSERT INTO outbox(source_id, flags, received_us, device_seq, payload)", 5, outbox_rows
                 )
-                # Only QoS1/2 can come back as a broker redelivery (flags & 3 is
-                # the QoS): QoS0 records need no entry in the redelivery window.
-                recent = [
-                    (r[2], r[5], zlib.crc32(r[6]), i)
-                    for i, r in enumerate(rows)
-                    if r[5] is not None and r[3] & 3
-                ]
+                # The redelivery window: the rows with a key (redelivery_key)
+                recent = [(r[7], i) for i, r in enumerate(rows) if r[7] is not None]
                 if recent:
                     await self._remember(recent, len(rows))
         self._doomed.clear()
         for key, sid in new_sources.items():
             self._register_source(sid, key)
         self._rows_added(rows, [r[0] for r in outbox_rows])
-        for topic, dseq, crc, _ in recent:
-            self._recent[recent_key(topic, dseq, crc)] = None
+        for rkey, _ in recent:
+            self._recent[rkey] = None
         while len(self._recent) > RECENT_WINDOW:
             self._recent.popitem(last=False)
         self.records += len(rows) - freed_records
@@ -220,7 +241,7 @@ class GroupCommit(DeadLetters, Bounds):
         if rows:
             self._data_available.set()
 
-    async def _remember(self, recent: list[tuple[str, int, int, int]], nrows: int) -> None:
+    async def _remember(self, recent: list[tuple[RecentKey, int]], nrows: int) -> None:
         """Persist the redelivery window entries of the rows just inserted."""
         last_seq = await self._last_seq()
         first = last_seq - nrows + 1
@@ -235,7 +256,7 @@ class GroupCommit(DeadLetters, Bounds):
         await self._insert_rows(
             "INSERT OR REPLACE INTO ingest_recent(seq, mqtt_topic, device_seq, crc)",
             4,
-            [(first + i, topic, dseq, crc) for topic, dseq, crc, i in recent],
+            [(first + i, topic, k >> 32, k & 0xFFFFFFFF) for (topic, k), i in recent],
         )
 
     async def _insert_rows(self, head: str, ncols: int, rows: Sequence[tuple[Any, ...]]) -> None:
