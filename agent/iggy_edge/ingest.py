@@ -57,7 +57,6 @@ import logging
 import sqlite3
 import time
 import weakref
-import zlib
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Final
@@ -73,7 +72,7 @@ from .logs import RateLimitedLog
 from .metrics import Metrics
 from .mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from .routing import Rejected, Router
-from .store import Incoming, Outbox, StoreError, device_seq_of
+from .store import Incoming, Outbox, StoreError, device_seq_of, redelivery_key
 from .timeouts import wait_for
 
 log = logging.getLogger(__name__)
@@ -91,9 +90,6 @@ READ_PAUSE_AT: Final = 10_000
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 QOS0_PENDING_BYTES: Final = 2 * READ_PAUSE_BYTES
 SESSION_META_KEY: Final = "mqtt_session_client_id"
-# Records with a device seq remembered with their pending commit (copies that
-# arrive before it are acknowledged with it); pruned of finished commits at this size.
-UNSETTLED_MAX: Final = 2 * READ_PAUSE_AT
 
 
 # (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
@@ -127,15 +123,16 @@ class Ingest:
         # committed, before the acknowledgement; the return path watches
         # device acks here.  Observers must be quick and must not raise.
         self.observers: list[Callable[[str, bytes], None]] = []
+        # Called (quick, must not raise) once per group commit, after its
+        # acknowledgements, with its messages [(topic, payload)] in arrival
+        # order (receipts: one call per group, not one per message).
+        self.group_observers: list[Callable[[list[tuple[str, bytes]]], None]] = []
         # Recognise copies without the DUP flag too (devices re-send what no
         # receipt covered: receipts.py).
         self.recognise_resends = settings.receipts.enabled
         # Called (quick, must not raise) with (topic, payload) of each message
         # recognised as a copy of a committed one (acknowledged, not stored).
         self.copy_observers: list[Callable[[str, bytes], None]] = []
-        # (topic, device seq, CRC) -> the commit of that record, while it may
-        # still be pending (entries whose commit is done are pruned in bulk)
-        self._unsettled: dict[tuple[str, int, int], asyncio.Future[None]] = {}
         # Called (quick, must not raise) when the broker had forgotten our
         # session: the return path restores the retained configs then.
         self.session_lost_observers: list[Callable[[], None]] = []
@@ -419,33 +416,27 @@ class Ingest:
             return done
         assert isinstance(topic, str)  # a bytes topic never routes
         dseq = device_seq_of(payload)
-        if dseq is None or not qos or not (self.recognise_resends or properties.get("dup")):
-            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
-        key = (topic, dseq, zlib.crc32(payload))
-        if self._outbox.seen(*key):
-            self._flush_counts()
-            self._metrics.ingest_known_copies.inc()
-            log.log(
-                logging.INFO if properties.get("dup") else logging.DEBUG,
-                "message on %s (device seq %d) was already committed: not stored twice",
-                topic,
-                dseq,
-            )
-            for observe in self.copy_observers:
-                observe(topic, payload)
-            return None
-        # A copy can also arrive while its original still waits for its
-        # group commit (a device re-sends after a broker restart faster than a
-        # slow commit): acknowledge it with the original's commit, store nothing.
-        original = self._unsettled.get(key)
-        if original is not None and not original.done():
-            self._metrics.ingest_known_copies.inc()
-            return original
-        done = self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq))
-        if len(self._unsettled) >= UNSETTLED_MAX:
-            self._unsettled = {k: f for k, f in self._unsettled.items() if not f.done()}
-        self._unsettled[key] = done
-        return done
+        key = redelivery_key(topic, qos, dseq, payload)
+        if key is None or not (self.recognise_resends or properties.get("dup")):
+            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
+        copy = self._outbox.copy_of(key)  # redelivery recognition: the store's
+        if copy is False:
+            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
+        self._metrics.ingest_known_copies.inc()
+        if copy is not True:
+            # Its original still waits for its group commit (a device re-sent
+            # faster than a slow commit): acknowledged with that commit.
+            return copy
+        self._flush_counts()
+        log.log(
+            logging.INFO if properties.get("dup") else logging.DEBUG,
+            "message on %s (device seq %d) was already committed: not stored twice",
+            topic,
+            dseq,
+        )
+        for observe in self.copy_observers:
+            observe(topic, payload)
+        return None
 
     def _flush_counts(self) -> None:
         for qos, n in enumerate(self._rx):
@@ -531,11 +522,12 @@ class Ingest:
             # messages and redelivers them on the next session.
             self._store_broken.set()
             return
-        if self.observers and done not in self._dead_groups:
-            for _, _, _, topic, payload in acks:
-                if isinstance(topic, str):
-                    for observe in self.observers:
-                        observe(topic, payload)
+        msgs: list[tuple[str, bytes]] = []
+        if (self.observers or self.group_observers) and done not in self._dead_groups:
+            msgs = [(t, p) for _, _, _, t, p in acks if isinstance(t, str)]
+            for observe in self.observers:
+                for topic, payload in msgs:
+                    observe(topic, payload)
         conn: hooks.Connection = None
         out: list[bytes] = []
         ack = codec.ack
@@ -547,3 +539,6 @@ class Ingest:
                 conn, out = c, []
             out.append(ack(cmd, mid))
         hooks.write(conn, b"".join(out))
+        if msgs:
+            for observe_group in self.group_observers:
+                observe_group(msgs)

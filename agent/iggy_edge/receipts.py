@@ -29,9 +29,11 @@ until the broker's PUBACK).  See docs/receipts.md.
   reconnect) is recognised by ingest by (topic, seq, CRC) -- not only when
   the broker marks it DUP -- stored once, keeps its id, and gets its receipt
   again (`observe_copy`).
-* Cost on ingest: a dict update per committed message; per device and
-  group commit one topic split, seq parse and CRC-32; the publishes are
-  throttled (bench/ingest_bench.py, scenario ``qos1-full-receipts-off``).
+* Cost on ingest: one call per group commit (a dict update per message in
+  it); per device and group commit one topic split, seq parse and CRC-32; the
+  publishes are throttled (bench/ingest_bench.py, scenario
+  ``qos1-full-receipts-off``).  Recognising re-sent readings (above) costs
+  ingest one lookup per message in the store's redelivery window.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ class _Device:
 
 
 class Receipts:
-    """Receipt state per device and its publishing; `observe` is an
-    `IngestObserver`."""
+    """Receipt state per device and its publishing; ingest calls
+    `observe_group` once per group commit."""
 
     def __init__(self, settings: ReceiptSettings, metrics: Metrics, publish: Publish) -> None:
         self._settings = settings
@@ -100,8 +102,6 @@ class Receipts:
         self._t_head, self._t_tail = head, tail
         self._prefix = head  # readings of device D arrive on {prefix}D/up/...
         self._devices: dict[str, _Device] = {}
-        self._latest: dict[str, bytes] = {}  # topic -> newest payload of this group
-        self._flush_due = False
         self._limited = RateLimitedLog(log)
         metrics.registry.register(_Collector(self))
 
@@ -112,29 +112,26 @@ class Receipts:
 
     # -- what ingest and the forwarder tell us -----------------------------
 
-    def observe(self, topic: str, payload: bytes) -> None:
-        """A message is durable in the outbox (or was, and came again).
-        Quick and never raising: it runs in ingest's acknowledgement, once
-        per message.  Only the newest message per topic of a group matters
-        for the receipt, so the work waits for the end of the group
-        (`call_soon`): one parse, one CRC and one receipt decision per
-        device and group instead of per message."""
+    def observe_group(self, messages: Sequence[tuple[str, bytes]]) -> None:
+        """The messages of a group commit, now durable in the outbox, in
+        arrival order.  Quick and never raising: it runs in ingest's
+        acknowledgement, once per group.  Only the newest message per topic
+        matters for the receipt: one parse, one CRC and one receipt decision
+        per device and group instead of per message."""
         if self._iggy:
-            self._observe(topic, payload)  # every record counts until Iggy confirms it
+            for topic, payload in messages:
+                self._observe(topic, payload)  # every record counts until Iggy confirms it
             return
-        latest = self._latest
-        if topic in latest:
-            del latest[topic]  # keep the order of the newest occurrences
-        latest[topic] = payload
-        if not self._flush_due:
-            self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        latest, self._latest = self._latest, {}
-        for topic, payload in latest.items():
+        newest: dict[str, bytes] = {}
+        for topic, payload in reversed(messages):
+            if topic not in newest:
+                newest[topic] = payload
+        for topic, payload in reversed(newest.items()):  # oldest first: a device's newest wins
             self._observe(topic, payload)
+
+    def observe(self, topic: str, payload: bytes) -> None:
+        """One message is durable in the outbox (or was, and came again)."""
+        self.observe_group(((topic, payload),))
 
     def _observe(self, topic: str, payload: bytes) -> None:
         dev_id = self._device_of(topic)

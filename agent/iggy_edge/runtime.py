@@ -327,7 +327,7 @@ class Agent:
         ingest.observers.append(self.devices.observe)
         receipts = self.receipts
         if receipts is not None:
-            ingest.observers.append(receipts.observe)
+            ingest.group_observers.append(receipts.observe_group)
             ingest.copy_observers.append(receipts.observe_copy)
         if self.uplink is not None:
             source = outbox if receipts is None or s.receipts.mode != "iggy" else receipts.confirm_tap(outbox)
