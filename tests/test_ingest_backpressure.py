@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from iggy_edge.ingest import READ_PAUSE_AT
+from iggy_edge.ingest_acks import READ_PAUSE_AT
 
 from tests.support.agent import make_settings, running_agent
 from tests.support.broker import Broker

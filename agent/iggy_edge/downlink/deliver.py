@@ -70,13 +70,12 @@ from typing import Final
 import gmqtt
 
 from .. import gmqtt_hooks as hooks
-from ..backoff import backoff_delay
 from ..config import Settings
 from ..device_ids import device_id_problem
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
-from ..mqttconn import CONNECT_ERRORS, close, connect, set_credentials
+from ..mqttconn import close, connect, keep_session, set_credentials, wait_first
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import Inbox, PendingCommand, PendingConfig
@@ -122,63 +121,57 @@ class Deliverer:
 
     # -- connection -----------------------------------------------------------
 
+    async def run(self) -> None:
+        """Deliver until cancelled; reconnect with backoff (mqttconn.keep_session);
+        expire meanwhile."""
+        await keep_session(
+            self._mqtt,
+            name="deliver",
+            open_session=self._connect,
+            serve=self._serve,
+            close_session=self._close,
+            pause=self._idle,
+            limited=self._limited,
+            meanwhile="; commands wait",
+        )
+
     async def _connect(self) -> tuple[gmqtt.Client, PubackTracker]:
+        await self._sweep_expired()
         tracker = PubackTracker()
         client = gmqtt.Client(
             deliver_client_id(self._settings), clean_session=True, persistent_storage=tracker
         )
         tracker.hook_reason_codes(client)
-
         hooks.own_reconnect(client, self._lost.set)  # we reconnect ourselves, with backoff
         client.on_disconnect = lambda *_: self._lost.set()
         set_credentials(client, self._mqtt)
         self._lost.clear()
         try:
             await connect(client, self._mqtt)  # closes the client when it fails
-        except CONNECT_ERRORS:
+        except BaseException:
             tracker.fail_all()
             raise
         return client, tracker
 
-    async def _close(self, client: gmqtt.Client, tracker: PubackTracker) -> None:
+    async def _close(self, session: tuple[gmqtt.Client, PubackTracker]) -> None:
+        client, tracker = session
         tracker.fail_all()
         await close(client)
 
-    async def run(self) -> None:
-        """Deliver until cancelled; reconnect with backoff; expire meanwhile."""
-        attempt = 0
-        while True:
-            await self._sweep_expired()
-            try:
-                client, tracker = await self._connect()
-            except CONNECT_ERRORS as e:
-                delay = backoff_delay(attempt, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s)
-                attempt += 1
-                self._limited.warning(
-                    "deliver-connect",
-                    "deliver: MQTT broker %s:%d not reachable (%s); commands wait; retry in %.1fs",
-                    self._mqtt.host,
-                    self._mqtt.port,
-                    e or type(e).__name__,
-                    delay,
-                )
-                await self._idle(delay)
-                continue
-            attempt = 0
-            self.connected_since = time.time()
-            self.connected.set()
-            log.info("deliver: connected to %s:%d", self._mqtt.host, self._mqtt.port)
-            try:
-                await self._restore_recent()
-                await self._deliver_while_connected(client, tracker)
-            except BrokerLost as e:
-                self._limited.warning("deliver-lost", "deliver: %s; unacknowledged commands go out again", e)
-            finally:
-                self.connected.clear()
-                self.connected_since = None
-                self._lost_at = time.time()
-                await self._close(client, tracker)
-            await self._idle(backoff_delay(0, self._mqtt.reconnect_min_s, self._mqtt.reconnect_max_s))
+    async def _serve(self, session: tuple[gmqtt.Client, PubackTracker]) -> bool:
+        self.connected_since = time.time()
+        self.connected.set()
+        log.info("deliver: connected to %s:%d", self._mqtt.host, self._mqtt.port)
+        try:
+            await self._restore_recent()
+            await self._deliver_while_connected(*session)
+        except BrokerLost as e:
+            self._limited.warning("deliver-lost", "deliver: %s; unacknowledged commands go out again", e)
+        finally:
+            self.connected.clear()
+            self.connected_since = None
+            self._lost_at = time.time()
+        return True
 
     async def _restore_recent(self) -> None:
         """After a lost connection: mark the configs delivered shortly before
@@ -196,12 +189,14 @@ class Deliverer:
                 window,
             )
 
-    async def _idle(self, delay: float) -> None:
-        """Wait `delay`, still expiring commands every second."""
+    async def _idle(self, delay: float) -> bool:
+        """Wait `delay`, still expiring commands every second (never stopping:
+        a cancellation ends the deliverer)."""
         deadline = time.monotonic() + delay
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(left, SWEEP_INTERVAL_S))
             await self._sweep_expired()
+        return False
 
     # -- delivery -----------------------------------------------------------------
 
@@ -222,7 +217,7 @@ class Deliverer:
                 await self._refresh_gauge()
                 timeout = SWEEP_INTERVAL_S if pause is None else min(pause, SWEEP_INTERVAL_S)
                 with contextlib.suppress(TimeoutError):
-                    await wait_for(self._wait_wakeup_or_lost(), timeout)
+                    await wait_for(wait_first(self._wakeup, self._lost), timeout)
                 await self._sweep_expired()
 
     async def _republish_some(self, client: gmqtt.Client, tracker: PubackTracker) -> float | None:
@@ -241,14 +236,6 @@ class Deliverer:
         self._republish_at = now + len(due) / rate
         await self._publish_configs(client, tracker, due)
         return 0.0
-
-    async def _wait_wakeup_or_lost(self) -> None:
-        waiters = [asyncio.ensure_future(self._wakeup.wait()), asyncio.ensure_future(self._lost.wait())]
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waiters:
-                w.cancel()
 
     def _publish(
         self,
