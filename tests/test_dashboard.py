@@ -29,7 +29,7 @@ from tests.support.wait import async_wait_until
 
 
 def test_device_table_counts_readings_status_and_versions_per_device() -> None:
-    t = DeviceTable("edge/")
+    t = DeviceTable()
     t.observe("edge/env-1/status", b"online")
     for _ in range(3):
         t.observe("edge/env-1/up/env", b"x" * 10)
@@ -55,7 +55,7 @@ def test_device_table_counts_readings_status_and_versions_per_device() -> None:
 
 
 def test_device_table_lists_stalest_first_and_counts_stale() -> None:
-    t = DeviceTable("edge/")
+    t = DeviceTable()
     t.observe("edge/a/up/env", b"1")
     time.sleep(0.02)
     t.observe("edge/b/up/env", b"1")
@@ -66,7 +66,7 @@ def test_device_table_lists_stalest_first_and_counts_stale() -> None:
 
 
 def test_device_table_is_bounded_and_forgets_the_stalest_tenth() -> None:
-    t = DeviceTable("edge/", max_devices=100)
+    t = DeviceTable(max_devices=100)
     for i in range(100):
         t.observe(f"edge/d{i:03d}/up/env", b"1")
     t.observe("edge/d000/up/env", b"1")  # heard from again: the freshest now

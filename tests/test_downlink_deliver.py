@@ -299,3 +299,18 @@ async def test_an_inbox_row_that_is_not_a_device_id_is_failed_without_publishing
             assert metrics.value("iggy_edge_downlink_commands_total", state="failed") == 1
     finally:
         await dev.stop()
+
+
+async def test_commands_and_configs_go_to_the_layouts_topics(tmp_path: Path, broker: Broker) -> None:
+    """The device topics come from `settings.topics` (topics.py), so a
+    `topic_prefix` moves them with the rest of the layout."""
+    settings = downlink_settings(tmp_path, broker, topic_prefix="site/a")
+    dev = await DeviceSubscriber(broker.host, broker.port, "site/a/dev-1/down/#").start()
+    try:
+        async with deliverer(settings) as (d, inbox, _):
+            await put(inbox, make_command("dev-1", "blink", {}), make_config("dev-1", {"rate": 2}))
+            d.wake()
+            await async_wait_until(lambda: len(dev.messages) == 2, what="device got both")
+            assert {m.topic for m in dev.messages} == {"site/a/dev-1/down/cmd", "site/a/dev-1/down/config"}
+    finally:
+        await dev.stop()

@@ -52,7 +52,7 @@ def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
 def _fake_agent() -> Any:
     return SimpleNamespace(
         ready=asyncio.Event(),
-        outbox=SimpleNamespace(records=7),
+        backlog_records=7,
         health=lambda: Health(True, "up", "ok", "up"),
     )
 

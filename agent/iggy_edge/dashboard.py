@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
-from .devices import device_prefix, read_extras
+from .devices import read_extras
 from .metrics import DEAD_LETTER_REASONS, DROP_REASONS, Metrics
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .stages import HttpView
 
 SAMPLE_S: Final = 5.0
 SAMPLES: Final = 720  # an hour
@@ -93,7 +93,7 @@ class Samples:
         return out
 
 
-def overview(agent: Agent, samples: Samples) -> dict[str, Any]:
+def overview(agent: HttpView, samples: Samples) -> dict[str, Any]:
     now = _sample(agent.metrics)
     last = samples.ring[-1] if samples.ring else None
     dt = 0.0 if last is None else now.t - last.t
@@ -123,17 +123,16 @@ def overview(agent: Agent, samples: Samples) -> dict[str, Any]:
     }
 
 
-async def devices_doc(agent: Agent) -> dict[str, Any]:
+async def devices_doc(agent: HttpView) -> dict[str, Any]:
     """Every device heard from, with what the buffer, the receipts and the
     return path know of it (devices.read_extras reads the file in a thread)."""
     stale_s = agent.settings.metrics.device_stale_s
     rows = agent.devices.rows()
-    held = agent.receipts.unreceipted() if agent.receipts is not None else {}
-    outbox = agent.outbox
-    backlog = outbox.backlog_by_device() if outbox is not None else {}
-    total = outbox.records if outbox is not None else 0
+    held = agent.unreceipted()
+    backlog = agent.backlog_by_device()
+    total = agent.backlog_records
     extras = await asyncio.to_thread(
-        read_extras, agent.settings.buffer_path, device_prefix(agent.settings), {r["device"] for r in rows}
+        read_extras, agent.settings.buffer_path, agent.settings.topics.head, {r["device"] for r in rows}
     )
     for row in rows:
         dev = row["device"]

@@ -31,21 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .config import Settings
 from .device_ids import is_device_id
 from .logs import RateLimitedLog
+from .topics import DEFAULT, TopicLayout
 
 log = logging.getLogger(__name__)
 
 MAX_DEVICES: Final = 10_000
 RATE_WINDOW_S: Final = 10.0  # the current rate is the count of the last full window
 MAX_VERSION_CHARS: Final = 40
-
-
-def device_prefix(settings: Settings) -> str:
-    """What stands before the device id in its topics (``edge/``), taken from
-    the receipts' topic template as receipts.py takes it."""
-    return settings.receipts.topic.partition("{device}")[0]
 
 
 @dataclass(slots=True)
@@ -64,8 +58,8 @@ class _Device:
 
 
 class DeviceTable:
-    def __init__(self, prefix: str = "edge/", *, max_devices: int = MAX_DEVICES) -> None:
-        self._prefix = prefix
+    def __init__(self, topics: TopicLayout = DEFAULT, *, max_devices: int = MAX_DEVICES) -> None:
+        self._prefix = topics.head  # ``edge/``: what stands before the device id
         self._max = max_devices
         self._devices: dict[str, _Device] = {}
         self.forgotten = 0

@@ -6,7 +6,7 @@ Routes (GET or HEAD only):
 ``/metrics``   the agent's private registry (`Metrics.registry`) in the
                Prometheus text exposition format, plus ``iggy_edge_agent_*``
                (info, start time, health) computed at scrape time
-``/health``    JSON from `Agent.health()`; 200 when healthy, 503 when not
+``/health``    JSON from the agent's `health()` (stages.HttpView); 200 when healthy, 503 when not
 ``/``          the dashboard (dashboard.py: one self-contained page), which
                reads ``/api/overview`` and ``/devices`` (JSON)
 =============  ==============================================================
@@ -62,7 +62,7 @@ from .logs import RateLimitedLog
 from .timeouts import wait_for
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .stages import HttpView
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -113,7 +113,7 @@ def _request_waiting(writer: asyncio.StreamWriter) -> bool:
 class _AgentCollector:
     """Figures that only exist at scrape time: build info, start time, health."""
 
-    def __init__(self, agent: Agent, server: MetricsServer) -> None:
+    def __init__(self, agent: HttpView, server: MetricsServer) -> None:
         self._agent = agent
         self._server = server
 
@@ -190,7 +190,7 @@ class _AgentCollector:
 class MetricsServer:
     """Serves one agent's figures; `start()` binds, `close()` stops."""
 
-    def __init__(self, agent: Agent, listen: str) -> None:
+    def __init__(self, agent: HttpView, listen: str) -> None:
         self._agent = agent
         self._host, self._port = parse_listen(listen)
         self._server: asyncio.Server | None = None
@@ -322,11 +322,10 @@ class MetricsServer:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._agent.metrics.registry)
         if path == "/health":
             health = self._agent.health()
-            outbox = self._agent.outbox
             doc = health.as_dict() | {
                 "gateway": self._agent.settings.gateway_id,
                 "buffer": str(self._agent.settings.buffer_path.absolute()),
-                "instance": None if outbox is None else str(outbox.epoch),
+                "instance": self._agent.buffer_instance,
                 "version": __version__,
                 "uptime_s": round(time.time() - self._agent.metrics.started_at, 1),
             }
@@ -340,7 +339,7 @@ class MetricsServer:
         return 404, "text/plain", b"not found\n"
 
 
-async def http_endpoint(agent: Agent) -> None:
+async def http_endpoint(agent: HttpView) -> None:
     """runtime.Component: serve /metrics and /health until cancelled."""
     if not agent.settings.metrics.enabled:
         return

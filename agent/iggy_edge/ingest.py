@@ -244,6 +244,19 @@ class Ingest:
         """The live session's client (tests look at its connection)."""
         return self._client
 
+    def publish(self, topic: str, payload: bytes, retain: bool) -> bool:
+        """QoS0 on this session (stages.Publish: receipts.py says why); False
+        while there is no session."""
+        client = self._client
+        if client is None or not self.connected.is_set():
+            return False
+        try:
+            client.publish(topic, payload, qos=0, retain=retain)
+        except (OSError, RuntimeError, AttributeError) as e:  # the connection went away under us
+            log.debug("not published on %s: %s", topic, e)
+            return False
+        return True
+
     @property
     def in_flight(self) -> int:
         """Messages taken from the broker whose acknowledgement waits for a commit."""

@@ -11,7 +11,8 @@ until the broker's PUBACK).  See docs/receipts.md.
 * When: at most one per device per ``min_interval_ms`` (200 ms); a reading
   that arrives inside the window is covered by one trailing receipt at the
   window's end, so the last reading of a burst always gets its receipt.
-* Where and how: ``topic`` (``edge/{device}/down/receipt``, inside the
+* Where and how: the layout's receipt topic (topics.py,
+  ``edge/{device}/down/receipt``, inside the
   device's own down/ tree, which the packaged ACL lets it read and the agent
   write), QoS0, retained, on ingest's MQTT session.  Retained: a device that
   (re)connects gets its current receipt with its SUBSCRIBE, without a request
@@ -53,8 +54,9 @@ from .config import ReceiptSettings
 from .logs import RateLimitedLog
 from .metrics import Metrics
 from .records import HEADER_DEVICE_SEQ, HEADER_MQTT_TOPIC, OutboundRecord
-from .stages import OutboxReader
+from .stages import OutboxReader, Publish
 from .store import device_seq_of
+from .topics import DEFAULT, TopicLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,6 @@ MAX_DEVICES: Final = 100_000
 IDLE_FORGET_S: Final = 600.0
 HOUSEKEEPING_S: Final = 5.0
 
-# publish(topic, payload, retain) -> False when it could not go out now (no session)
-Publish = Callable[[str, bytes, bool], bool]
 NOTHING: Final = b'{"seq":-1}'  # "listening, nothing of yours is durable here" (never retained)
 _OnConfirmed = Callable[[Sequence[OutboundRecord]], None]
 
@@ -92,15 +92,15 @@ class Receipts:
     """Receipt state per device and its publishing; ingest calls
     `observe_group` once per group commit."""
 
-    def __init__(self, settings: ReceiptSettings, metrics: Metrics, publish: Publish) -> None:
+    def __init__(
+        self, settings: ReceiptSettings, metrics: Metrics, publish: Publish, topics: TopicLayout = DEFAULT
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._publish = publish
         self._interval = settings.min_interval_ms / 1000
         self._iggy = settings.mode == "iggy"
-        head, _, tail = settings.topic.partition("{device}")
-        self._t_head, self._t_tail = head, tail
-        self._prefix = head  # readings of device D arrive on {prefix}D/up/...
+        self._topics = topics  # readings on .up(D, ...), receipts to .receipt(D)
         self._devices: dict[str, _Device] = {}
         self._limited = RateLimitedLog(log)
         metrics.registry.register(_Collector(self))
@@ -189,22 +189,13 @@ class Receipts:
     # -- state ---------------------------------------------------------------
 
     def _device_of(self, topic: str) -> str | None:
-        prefix = self._prefix
-        if not topic.startswith(prefix):
-            return None
-        i = topic.find("/", len(prefix))
-        if i <= len(prefix) or not topic.startswith("/up/", i):
-            return None
-        return topic[len(prefix) : i]
+        return self._topics.device_of_up(topic)
 
     def _online(self, topic: str) -> None:
         """A device (re)connected: it sends nothing until a receipt shows the
         gateway listens (device/iggy_device/receipts.py), so send it one now."""
-        prefix = self._prefix
-        if not topic.startswith(prefix) or not topic.endswith("/status"):
-            return
-        dev_id = topic[len(prefix) : -len("/status")]
-        if not dev_id or "/" in dev_id:
+        dev_id = self._topics.device_of_status(topic)
+        if dev_id is None:
             return
         dev = self._device(dev_id)
         if dev.pending:
@@ -217,7 +208,7 @@ class Receipts:
         if dev is None:
             if len(self._devices) >= MAX_DEVICES:
                 self._forget(time.monotonic(), keep=MAX_DEVICES - 1)
-            dev = self._devices[dev_id] = _Device(self._t_head + dev_id + self._t_tail)
+            dev = self._devices[dev_id] = _Device(self._topics.receipt(dev_id))
         return dev
 
     def _covered(self, dev: _Device, seq: int, crc: int, now: float) -> None:

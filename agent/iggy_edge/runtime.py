@@ -13,8 +13,9 @@ route          routing.py                  pure: Router.route
 outbox         store.py                    `OutboxReader`, `DeadLetterSink`
 forward        forward.py                  `OutboxReader` -> `Uplink`
 return path    downlink/ (component.py)    `ReturnPathHost`, `CommandSource`
-metrics/health httpd.py, metrics.py        Agent.health(), Metrics
-systemd        systemd.py                  Agent.ready, Agent.wait_up()
+metrics/health httpd.py, metrics.py        `HttpView`, Metrics
+systemd        systemd.py                  `StatusView`
+receipts       receipts.py                 `Publish` (Ingest.publish)
 =============  ==========================  ===================================
 
 One asyncio loop, one task group.  The stages are supervised
@@ -33,10 +34,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
 
 from .config import Settings
-from .devices import DeviceTable, device_prefix
+from .devices import DeviceTable
 from .forward import Forwarder
 from .httpd import http_endpoint
 from .ingest import Ingest
@@ -45,7 +45,7 @@ from .receipts import Receipts
 from .reload import Plan
 from .reload import plan as plan_reload
 from .routing import Router
-from .stages import DeadLetterSink, IngestObserver
+from .stages import DeadLetterSink, Health, IngestObserver
 from .store import Outbox, StoreError
 from .supervisor import Supervisor
 from .systemd import systemd_notify
@@ -57,26 +57,6 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL_S = 5.0
 EXPIRE_INTERVAL_S = 60.0
-
-
-@dataclass(frozen=True)
-class Health:
-    """What /health, `status` and systemd's status line report.  A new part
-    is a new field (with a default, so older constructors keep working):
-    `as_dict` and the JSON follow the fields."""
-
-    healthy: bool
-    ingest: str
-    store: str
-    uplink: str
-    attention: str = ""  # e.g. a damaged buffer moved aside, until acknowledged (store/recovery.py)
-    # Connects where the broker had forgotten the agent's session (ingest.py)
-    mqtt_sessions_lost: int = 0
-    # Each supervised stage: "running", "failing (...)" or "ended" (supervisor.py)
-    stages: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 # Long-running components beside the stages (return path, HTTP endpoint,
@@ -150,11 +130,10 @@ class Agent:
         self.ingest: Ingest | None = None
         self.forwarder: Forwarder | None = None
         # Every device heard from (devices.py): device list, /devices, the dashboard
-        self.devices = DeviceTable(device_prefix(settings))
-        # Delivery receipts to the devices (receipts.py), on ingest's session
+        self.devices = DeviceTable(settings.topics)
+        # Delivery receipts to the devices (receipts.py), on ingest's session:
+        # made with it (Ingest.publish)
         self.receipts: Receipts | None = None
-        if settings.receipts.enabled:
-            self.receipts = Receipts(settings.receipts, self.metrics, self._publish_receipt)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         # Called with the new settings after a reload (reload.py); a stage
@@ -188,19 +167,21 @@ class Agent:
             hook(s)
         return result
 
-    def _publish_receipt(self, topic: str, payload: bytes, retain: bool) -> bool:
-        """QoS0 on ingest's session (receipts.py says why); False while
-        there is no session."""
-        ingest = self.ingest
-        client = None if ingest is None else ingest.client
-        if client is None or ingest is None or not ingest.connected.is_set():
-            return False
-        try:
-            client.publish(topic, payload, qos=0, retain=retain)
-        except (OSError, RuntimeError, AttributeError) as e:  # the connection went away under us
-            log.debug("receipt on %s not published: %s", topic, e)
-            return False
-        return True
+    # -- the views of stages.HttpView / StatusView ---------------------------
+
+    @property
+    def backlog_records(self) -> int:
+        return self.outbox.records if self.outbox is not None else 0
+
+    @property
+    def buffer_instance(self) -> str | None:
+        return None if self.outbox is None else str(self.outbox.epoch)
+
+    def backlog_by_device(self) -> dict[str, tuple[int, int]]:
+        return self.outbox.backlog_by_device() if self.outbox is not None else {}
+
+    def unreceipted(self) -> dict[str, float]:
+        return self.receipts.unreceipted() if self.receipts is not None else {}
 
     @property
     def dead_letters(self) -> DeadLetterSink:
@@ -325,8 +306,9 @@ class Agent:
         )
         self.ingest = ingest = Ingest(s, outbox, self.router, self.metrics)
         ingest.observers.append(self.devices.observe)
-        receipts = self.receipts
-        if receipts is not None:
+        receipts = None
+        if s.receipts.enabled:
+            receipts = self.receipts = Receipts(s.receipts, self.metrics, ingest.publish, s.topics)
             ingest.group_observers.append(receipts.observe_group)
             ingest.copy_observers.append(receipts.observe_copy)
         if self.uplink is not None:

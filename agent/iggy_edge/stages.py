@@ -11,7 +11,13 @@ interface          implemented by              used by
 `DeadLetterSink`   store.Outbox                downlink.poll.ReturnPoll
 `IngestObserver`   downlink AckListener        ingest (committed messages)
 `ReturnPathHost`   runtime.Agent               downlink.component.return_path
+`StatusView`       runtime.Agent               systemd.systemd_notify
+`HttpView`         runtime.Agent               httpd, dashboard
+`Publish`          ingest.Ingest.publish       receipts.Receipts
 =================  ==========================  ==============================
+
+No component reaches through the agent into another stage (its outbox,
+ingest's client): what it needs is named here.
 
 The uplink side has its own in uplink/protocol.py (`Uplink`,
 `CommandSource`).
@@ -20,9 +26,11 @@ The uplink side has its own in uplink/protocol.py (`Uplink`,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from .config import Settings
+from .devices import DeviceTable
 from .metrics import Metrics
 from .records import OutboundRecord
 from .uplink.protocol import CommandSource
@@ -30,6 +38,67 @@ from .uplink.protocol import CommandSource
 # Called with (topic, payload) for every message once its record is
 # committed, before the acknowledgement.  Must be quick and must not raise.
 IngestObserver = Callable[[str, bytes], None]
+
+# publish(topic, payload, retain) at QoS0 on ingest's MQTT session -> False
+# when it could not go out now (no session); what receipts publish through.
+Publish = Callable[[str, bytes, bool], bool]
+
+
+@dataclass(frozen=True)
+class Health:
+    """What /health, `status` and systemd's status line report.  A new part
+    is a new field (with a default, so older constructors keep working):
+    `as_dict` and the JSON follow the fields."""
+
+    healthy: bool
+    ingest: str
+    store: str
+    uplink: str
+    attention: str = ""  # e.g. a damaged buffer moved aside, until acknowledged (store/recovery.py)
+    # Connects where the broker had forgotten the agent's session (ingest.py)
+    mqtt_sessions_lost: int = 0
+    # Each supervised stage: "running", "failing (...)" or "ended" (supervisor.py)
+    stages: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class StatusView(Protocol):
+    """What systemd's notification needs of the running agent."""
+
+    def health(self) -> Health: ...
+
+    @property
+    def backlog_records(self) -> int:
+        """Records buffered (0 while the buffer is not open)."""
+
+    async def wait_up(self, timeout: float) -> bool:
+        """True once the stages run and ingest has its MQTT session; False
+        when `timeout` passed first."""
+
+
+class HttpView(StatusView, Protocol):
+    """What /metrics, /health, /devices and /api/overview need."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def devices(self) -> DeviceTable: ...
+
+    @property
+    def buffer_instance(self) -> str | None:
+        """The open buffer's epoch (tells this buffer from another), or None."""
+
+    def backlog_by_device(self) -> dict[str, tuple[int, int]]:
+        """Records and accounted bytes buffered, per device holding any."""
+
+    def unreceipted(self) -> dict[str, float]:
+        """Devices holding readings not receipted yet, with the age of the oldest."""
 
 
 class OutboxReader(Protocol):

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .stages import StatusView
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,16 @@ class Notifier:
         return True
 
 
-def _status_line(agent: Agent) -> str:
+def _status_line(agent: StatusView) -> str:
     h = agent.health()
-    backlog = agent.outbox.records if agent.outbox is not None else 0
-    return f"STATUS=ingest {h.ingest}, store {h.store}, uplink {h.uplink}, backlog {backlog} records"
+    return (
+        f"STATUS=ingest {h.ingest}, store {h.store}, uplink {h.uplink}, "
+        f"backlog {agent.backlog_records} records"
+    )
 
 
 async def systemd_notify(
-    agent: Agent, notifier: Notifier | None = None, *, ready_wait_s: float = READY_WAIT_S
+    agent: StatusView, notifier: Notifier | None = None, *, ready_wait_s: float = READY_WAIT_S
 ) -> None:
     """runtime.Component: READY=1 once the stages are up (or after
     `ready_wait_s` without an MQTT session), then watchdog pings (and a

@@ -22,7 +22,6 @@ from typing import Final
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
-from ..routing import topic_matches
 from ..stages import DeadLetterSink, ReturnPathHost
 from ..uplink.protocol import CommandSource, UplinkError
 from .commands import Ack, parse_ack, printable
@@ -49,9 +48,9 @@ class AckListener:
     """Sees every committed ingest message (`observe`, synchronous, never
     raises) and records the device acks among them in the inbox.
 
-    The device an ack comes from is the topic level of the ack filter's
-    first ``+`` (``edge/+/up/ack``: the broker's ACL lets only that device
-    publish there).  An ack counts only for a command addressed to that
+    The device an ack comes from is the device level of its topic
+    (``{prefix}/{device}/up/ack``, topics.py: the broker's ACL lets only that
+    device publish there).  An ack counts only for a command addressed to that
     device: one for another device's command changes nothing, is counted
     (``iggy_edge_downlink_errors_total{kind="ack_wrong_device"}``) and
     dead-lettered with reason ``ack_wrong_device``."""
@@ -59,24 +58,17 @@ class AckListener:
     def __init__(
         self, settings: Settings, inbox: Inbox, metrics: Metrics, dead_letters: DeadLetterSink
     ) -> None:
-        self._filter = settings.downlink.ack_filter.split("/")
-        self._device_level = self._filter.index("+") if "+" in self._filter else None
+        self._topics = settings.topics
         self._inbox = inbox
         self._metrics = metrics
         self._dead_letters = dead_letters
         self._queue: asyncio.Queue[_Seen] = asyncio.Queue(ACK_QUEUE)
         self._limited = RateLimitedLog(log)
-        if self._device_level is None:
-            log.error(
-                "downlink.ack_filter %r has no '+' level naming the device: no device ack is counted",
-                settings.downlink.ack_filter,
-            )
 
     def observe(self, topic: str, payload: bytes) -> None:
-        levels = topic.split("/")
-        if not topic_matches(self._filter, levels):
+        device = self._topics.device_of_ack(topic)
+        if device is None:
             return
-        device = None if self._device_level is None else levels[self._device_level]
         try:
             self._queue.put_nowait(_Seen(device, topic, payload))
         except asyncio.QueueFull:

@@ -77,7 +77,7 @@ from ..metrics import Metrics
 from ..mqtt_codec import REFUSED
 from ..mqttconn import close, connect, keep_session, set_credentials, wait_first
 from ..timeouts import wait_for
-from .commands import CommandState, deliver_client_id, device_topic
+from .commands import CommandState, deliver_client_id
 from .inbox import Inbox, PendingCommand, PendingConfig
 from .inflight import POISON_STRIKES, BrokerLost, PubackTracker, Suspects
 from .views import REPUBLISH
@@ -308,7 +308,7 @@ class Deliverer:
         outcomes = await self._publish_all(
             client,
             tracker,
-            [(f"cmd:{c.id}", device_topic(self._dl.command_topic, c.device), c.payload, None) for c in live],
+            [(f"cmd:{c.id}", self._settings.topics.command(c.device), c.payload, None) for c in live],
         )
         updates: list[tuple[str, CommandState, str]] = []
         delivered = 0
@@ -401,7 +401,7 @@ class Deliverer:
             [
                 (
                     f"cfg:{c.device}:{c.id}",
-                    device_topic(self._dl.config_mqtt_topic, c.device),
+                    self._settings.topics.config(c.device),
                     c.payload,
                     c.id,
                 )
