@@ -259,3 +259,24 @@ def _http_only() -> tuple[Any, ...]:
     from iggy_edge.httpd import http_endpoint  # noqa: PLC0415 - only this test runs a bare endpoint
 
     return (http_endpoint,)
+
+
+def test_device_table_takes_a_group_at_once_as_it_takes_each_message() -> None:
+    """Ingest hands the table each group commit once (`observe_group`, issue
+    22): the figures are those of the messages one by one, also when the
+    group fills the table and devices are forgotten in the middle of it."""
+    msgs = [(f"edge/d{i % 10}/up/env", b"x" * (i % 7)) for i in range(1_000)]
+    msgs += [("edge/d1/status", b"online"), ("edge/d1/up/ack", b"{}"), ("edge/d1/down/cmd", b"{}")]
+    one, group = DeviceTable(), DeviceTable()
+    for topic, payload in msgs:
+        one.observe(topic, payload)
+    group.observe_group(msgs)
+    keys = ("readings", "bytes", "status")
+    assert {r["device"]: [r[k] for k in keys] for r in group.rows()} == {
+        r["device"]: [r[k] for k in keys] for r in one.rows()
+    }
+    small = DeviceTable(max_devices=10)
+    small.observe_group([(f"edge/n{i}/up/env", b"1") for i in range(25)] + [("edge/n24/up/env", b"1")])
+    assert len(small) <= 10
+    assert small.forgotten == 25 - len(small)
+    assert {r["device"]: r["readings"] for r in small.rows()}["n24"] == 2

@@ -27,6 +27,7 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -71,39 +72,62 @@ class DeviceTable:
     # -- what ingest tells us (synchronous, never raises) ----------------------
 
     def observe(self, topic: str, payload: bytes) -> None:
+        self.observe_group(((topic, payload),))
+
+    def observe_group(self, messages: Sequence[tuple[str, bytes]]) -> None:
+        """The messages of one group commit (ingest's group observer): each
+        topic is taken apart once per group, not once per message."""
+        now = time.time()
+        parsed: dict[str, tuple[_Device, str] | None] = {}
+        for topic, payload in messages:
+            if topic in parsed:
+                hit = parsed[topic]
+            else:
+                hit = parsed[topic] = self._device_of(topic, now, parsed)
+            if hit is None:
+                continue
+            dev, rest = hit
+            dev.last_seen = now
+            if rest == "status":
+                self._status(dev, payload, now)
+                continue
+            if rest == "up/ack":
+                continue  # a command's ack, not a reading (the return path counts it)
+            dev.readings += 1
+            dev.bytes += len(payload)
+            if now - dev.window_start >= RATE_WINDOW_S:
+                elapsed = now - dev.window_start
+                # a window long past says nothing of the current rate
+                dev.rate = dev.window_count / elapsed if elapsed < 2 * RATE_WINDOW_S else 0.0
+                dev.window_start, dev.window_count = now, 0
+            dev.window_count += 1
+            if rest == "up/diag":
+                self._diag(dev, payload)
+
+    def _device_of(
+        self, topic: str, now: float, parsed: dict[str, tuple[_Device, str] | None]
+    ) -> tuple[_Device, str] | None:
+        """The device a topic is of, and the rest of the topic after it."""
         prefix = self._prefix
         if not topic.startswith(prefix):
-            return
+            return None
         start = len(prefix)
         end = topic.find("/", start)
         if end <= start:
-            return
+            return None
         rest = topic[end + 1 :]
         if rest.startswith("down/"):
-            return  # ours (receipts, commands) echoed back: not the device's
+            return None  # ours (receipts, commands) echoed back: not the device's
         dev_id = topic[start:end]
-        now = time.time()
         dev = self._devices.get(dev_id)
         if dev is None:
             if not is_device_id(dev_id):
-                return  # not a device a person could look up; ingest dead-letters or stores it
+                return None  # not a device a person could look up; ingest dead-letters or stores it
+            full = len(self._devices) >= self._max
             dev = self._new(dev_id, now)
-        dev.last_seen = now
-        if rest == "status":
-            self._status(dev, payload, now)
-            return
-        if rest == "up/ack":
-            return  # a command's ack, not a reading (the return path counts it)
-        dev.readings += 1
-        dev.bytes += len(payload)
-        if now - dev.window_start >= RATE_WINDOW_S:
-            elapsed = now - dev.window_start
-            # a window long past says nothing of the current rate
-            dev.rate = dev.window_count / elapsed if elapsed < 2 * RATE_WINDOW_S else 0.0
-            dev.window_start, dev.window_count = now, 0
-        dev.window_count += 1
-        if rest == "up/diag":
-            self._diag(dev, payload)
+            if full:
+                parsed.clear()  # devices were forgotten: resolve the others again
+        return dev, rest
 
     def _new(self, dev_id: str, now: float) -> _Device:
         if len(self._devices) >= self._max:

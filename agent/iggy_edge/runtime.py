@@ -305,7 +305,7 @@ class Agent:
             s.buffer.overflow,
         )
         self.ingest = ingest = Ingest(s, outbox, self.router, self.metrics)
-        ingest.observers.append(self.devices.observe)
+        ingest.group_observers.append(self.devices.observe_group)
         receipts = None
         if s.receipts.enabled:
             receipts = self.receipts = Receipts(s.receipts, self.metrics, ingest.publish, s.topics)
