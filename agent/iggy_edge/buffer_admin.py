@@ -73,7 +73,7 @@ class BufferStats:
     drops_by_reason: dict[str, int]
     file_bytes: int
     dead_letter_bytes: int = 0  # accounted (payload + topic + ROW_OVERHEAD), against max_dead_letter_bytes
-    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery.py)
+    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery/)
 
     @property
     def unacknowledged(self) -> list[Event]:

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,16 +19,8 @@ from .base import recent_key
 from .commit import GroupCommit, _Group
 from .db import Database, StoreError
 from .reader import ReadConfirm
-from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
-from .schema import (
-    DEAD_TOTALS_SQL,
-    OUTBOX_LOAD_SQL,
-    RECENT_WINDOW,
-    ROW_OVERHEAD,
-    open_database,
-    recover,
-    reopen,
-)
+from .recovery import Event, StoreUnavailable, events_from_json, open_loaded
+from .schema import DEAD_TOTALS_SQL, OUTBOX_LOAD_SQL, RECENT_WINDOW, ROW_OVERHEAD
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +37,16 @@ class Outbox(GroupCommit, ReadConfirm):
 
     @classmethod
     async def open(cls, path: Path, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> Outbox:
-        """Open and load the buffer.  Every database error, at open or at
-        load, takes the same path (recovery.py): a confirmed corruption is
-        salvaged into a fresh file, anything else leaves the file in place
-        and raises `StoreError` (`StoreUnavailable` when the disk failed),
-        with the connection closed (no aiosqlite thread left behind)."""
-        db = await open_database(path, metrics)
-        recovered = False
-        while True:
+        """Open and load the buffer (`recovery.open_loaded`: a confirmed
+        corruption is salvaged into a fresh file; anything else raises
+        `StoreError`, `StoreUnavailable` when the disk failed)."""
+
+        async def load(db: Database) -> Outbox:
             box = cls(db, settings, gateway_id, metrics)
-            try:
-                await box._load()
-            except (sqlite3.Error, OSError) as e:
-                await db.close()
-                metrics.store_errors.inc()
-                events: list[Event] = []
-                if recovered or not await recover(path, e, metrics, events):
-                    raise as_store_error(path, e) from e
-                db = await reopen(path, metrics, events, recovered=True)
-                recovered = True
-                continue
-            except BaseException:
-                await db.close()
-                raise
+            await box._load()
             return box
+
+        return await open_loaded(path, metrics, load)
 
     @classmethod
     async def open_when_possible(

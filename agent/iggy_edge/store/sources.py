@@ -1,7 +1,7 @@
 """Sources: the one place a (route, partition key, MQTT topic) gets its id.
 
 Every writer of outbox rows -- the group commit (base.py), the salvage of a
-damaged file (recovery.py) and the CLI's dead-letter replay
+damaged file (recovery/salvage.py) and the CLI's dead-letter replay
 (buffer_admin.py) -- takes its source id from `SOURCE_ID_SQL`: one upsert
 that returns the id of the existing row or of the one it creates, one round
 trip either way.  Sources no row refers to are deleted (`ORPHANS_SQL`) when

@@ -1,0 +1,45 @@
+"""The shape of the store (issue 22): one recovery package, and schema.py
+keeps the tables and the opening of a file, not what to do when it fails."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+
+import iggy_edge.store
+import pytest
+from iggy_edge.store import schema
+
+pytestmark = pytest.mark.unit
+
+STORE = Path(iggy_edge.store.__file__).parent
+MAX_LINES = 450
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_recovery_is_one_package_of_small_modules() -> None:
+    recovery = importlib.import_module("iggy_edge.store.recovery")
+    assert recovery.__file__ is not None
+    assert Path(recovery.__file__).name == "__init__.py"
+    names = {m.name for m in pkgutil.iter_modules(recovery.__path__)}
+    assert {"errors", "wal", "salvage", "events", "opening"} <= names
+    for name in names:
+        path = STORE / "recovery" / f"{name}.py"
+        assert _lines(path) <= MAX_LINES, path
+
+
+def test_schema_holds_no_recovery() -> None:
+    """Deciding between a full disk and a damaged file is recovery's job."""
+    for name in ("recover", "reopen", "open_database", "record_events"):
+        assert not hasattr(schema, name), name
+    source = (STORE / "schema.py").read_text(encoding="utf-8")
+    assert "from .recovery" not in source
+
+
+def test_every_store_module_is_small() -> None:
+    for path in STORE.rglob("*.py"):
+        assert _lines(path) <= MAX_LINES, path
