@@ -4,6 +4,7 @@ keeps the tables and the opening of a file, not what to do when it fails."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from pathlib import Path
 
@@ -43,3 +44,17 @@ def test_schema_holds_no_recovery() -> None:
 def test_every_store_module_is_small() -> None:
     for path in STORE.rglob("*.py"):
         assert _lines(path) <= MAX_LINES, path
+
+
+def test_the_inbox_cli_half_lives_beside_buffer_admin() -> None:
+    """The blocking tools the CLI calls on the inbox are in inbox_admin.py,
+    next to buffer_admin.py; downlink/ holds the agent's side only."""
+    admin = importlib.import_module("iggy_edge.inbox_admin")
+    inbox = importlib.import_module("iggy_edge.downlink.inbox")
+
+    for name in ("read_commands", "read_configs", "read_offsets", "request_republish"):
+        assert callable(getattr(admin, name)), name
+    assert importlib.util.find_spec("iggy_edge.downlink.views") is None
+    assert inbox.__file__ is not None
+    assert _lines(Path(inbox.__file__)) <= MAX_LINES
+    assert Path(admin.__file__).parent == STORE.parent

@@ -80,8 +80,8 @@ from ..mqttconn import CONNECT_ERRORS, close, connect, set_credentials
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id, device_topic
 from .inbox import Inbox, PendingCommand, PendingConfig
+from .inbox_schema import REPUBLISH
 from .inflight import POISON_STRIKES, BrokerLost, PubackTracker, Suspects
-from .views import REPUBLISH
 
 log = logging.getLogger(__name__)
 

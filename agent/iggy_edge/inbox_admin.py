@@ -1,6 +1,7 @@
-"""The inbox seen from outside the agent: read-only views for the CLI and the
-marks `config republish` writes (another process; WAL lets it read and write
-beside the running agent).  Schema and transitions: inbox.py."""
+"""Tools on the inbox for the CLI, beside buffer_admin.py: read-only views
+(commands, configs, offsets) and the marks `config republish` writes (another
+process; WAL lets it read and write beside the running agent).  Tables:
+downlink/inbox_schema.py; the agent's side: downlink/inbox.py."""
 
 from __future__ import annotations
 
@@ -8,14 +9,10 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-from ..store.db import ro_connect
-from .commands import CommandState
-
-RECEIVED: Final = CommandState.RECEIVED.value
-REPUBLISH: Final = "republish"  # delivered once; the broker lost it: publish again (a restore)
-DELIVERED: Final = CommandState.DELIVERED.value
+from .downlink.inbox_schema import mark_sql
+from .store.db import ro_connect
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,23 +42,6 @@ class CommandRow:
             "detail": self.detail,
             "source": self.source,
         }
-
-
-def mark_sql(
-    device: str | None, now: float, since: float | None = None, before: float | None = None
-) -> tuple[str, tuple[Any, ...]]:
-    sql = "UPDATE downlink_config SET state = ?, detail = 'restore requested', updated_at = ? WHERE state = ?"
-    params: tuple[Any, ...] = (REPUBLISH, now, DELIVERED)
-    if device is not None:
-        sql += " AND device = ?"
-        params += (device,)
-    if since is not None:
-        sql += " AND updated_at >= ?"
-        params += (since,)
-    if before is not None:
-        sql += " AND updated_at < ?"
-        params += (before,)
-    return sql, params
 
 
 def request_republish(path: Path, device: str | None = None) -> int:
