@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import re
 from pathlib import Path
 
 import iggy_edge.store
@@ -58,3 +59,23 @@ def test_the_inbox_cli_half_lives_beside_buffer_admin() -> None:
     assert inbox.__file__ is not None
     assert _lines(Path(inbox.__file__)) <= MAX_LINES
     assert Path(admin.__file__).parent == STORE.parent
+
+
+def test_no_dead_outbox_api() -> None:
+    """`fail` (and the `_failure` it set, checked on every submit), and the
+    `connection` / `database` properties had no caller."""
+    from iggy_edge.store import Outbox  # noqa: PLC0415 - beside what it checks
+
+    for name in ("fail", "connection", "database"):
+        assert not hasattr(Outbox, name), name
+    assert "self._failure" not in "".join(p.read_text(encoding="utf-8") for p in STORE.rglob("*.py"))
+
+
+def test_no_reference_to_the_removed_store_module() -> None:
+    """store.py became the store/ package long ago; comments say so."""
+    root = STORE.parent
+    mine = [*STORE.rglob("*.py"), *(root / "downlink").glob("inbox*.py"), root / "buffer_admin.py"]
+    mine.append(root / "inbox_admin.py")
+    for path in mine:
+        text = path.read_text(encoding="utf-8")
+        assert re.search(r"\bstore\.py\b", text) is None, path

@@ -63,7 +63,7 @@ def request_republish(path: Path, device: str | None = None) -> int:
 
 def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
     """(device, id, state, source) of every device's newest config."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_config"):
             return []
@@ -78,11 +78,6 @@ def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
 # -- read-only views for the CLI (another process; WAL lets it read) --------------
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    """Read-only; a missing file raises NoDatabase, a FileNotFoundError."""
-    return ro_connect(path)
-
-
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
     return row is not None
@@ -90,7 +85,7 @@ def _has_table(conn: sqlite3.Connection, name: str) -> bool:
 
 def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> list[CommandRow]:
     """The most recent commands (newest first)."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_commands"):
             return []
@@ -110,7 +105,7 @@ def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> 
 
 def read_offsets(path: Path) -> list[tuple[str, str, int, int, int | None]]:
     """(stream, topic, partition, last consumed, last mirrored)."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_offsets"):
             return []

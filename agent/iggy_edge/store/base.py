@@ -14,8 +14,8 @@ from ..config import BufferSettings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..records import Route, gateway_hash32
-from .db import Database, StoreError
-from .schema import COUNT_DROP_SQL, ROW_OVERHEAD
+from .db import Database
+from .schema import COUNT_DROP_SQL
 from .sources import SOURCE_ID_SQL
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ class OutboxBase:
         self._src_rows: dict[int, int] = {}
         self._doomed: set[int] = set()
         self._idle_maybe = False
-        self._row_overhead = ROW_OVERHEAD
         # dead letters in the table: count and accounted bytes (dead.py)
         self.dead_count = 0
         self.dead_bytes = 0
@@ -76,7 +75,6 @@ class OutboxBase:
         self._wakeup = asyncio.Event()
         self._data_available = asyncio.Event()
         self._closed = False
-        self._failure: StoreError | None = None
         # Insertion-ordered and bounded.  An OrderedDict because trimming a plain
         # dict from the front with next(iter(d)) rescans its deleted slots: that
         # was 10 us per record at 20k entries, the largest cost in _insert.

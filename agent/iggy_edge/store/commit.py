@@ -61,10 +61,6 @@ class GroupCommit(DeadLetters, Bounds):
     def submit(self, item: Incoming) -> asyncio.Future[None]:
         """Queue a record for the next group commit (synchronous, so arrival
         order is kept) and return the future of that commit."""
-        if self._failure is not None:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            fut.set_exception(self._failure)
-            return fut
         group = self._pending
         if group.done is None:
             group.done = asyncio.get_running_loop().create_future()

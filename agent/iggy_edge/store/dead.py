@@ -60,11 +60,6 @@ class DeadLetters(OutboxBase):
         (synchronous) and return that commit's future.  See the module
         docstring."""
         loop = asyncio.get_running_loop()
-        if self._failure is not None:
-            fut: asyncio.Future[None] = loop.create_future()
-            fut.set_exception(self._failure)
-            fut.exception()
-            return fut
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         kept = payload[: self._settings.max_payload_bytes]
         if reason == "oversize" and len(payload) > OVERSIZE_KEPT_BYTES:

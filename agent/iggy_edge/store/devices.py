@@ -39,6 +39,7 @@ from typing import Any
 from ..records import Route
 from ..routing import DeadLetterReason, Rejected
 from .base import OutboxBase
+from .schema import ROW_OVERHEAD
 from .sources import ORPHANS_SQL
 
 
@@ -154,7 +155,7 @@ class DeviceBounds(OutboxBase):
                 d.orphans -= 1
             src_rows[sid] = n + 1
             d.records += 1
-            d.bytes += len(r[6]) + len(r[2]) + self._row_overhead
+            d.bytes += len(r[6]) + len(r[2]) + ROW_OVERHEAD
 
     def _row_gone(self, sid: int, size: int) -> None:
         """A row of `sid` with `size` accounted bytes was deleted."""
@@ -228,7 +229,7 @@ class DeviceBounds(OutboxBase):
                 continue
             d = self._devices[names[2]]
             d.records += int(n)
-            d.bytes += int(nbytes) + (len(names[3]) + self._row_overhead) * int(n)
+            d.bytes += int(nbytes) + (len(names[3]) + ROW_OVERHEAD) * int(n)
             self._src_rows[int(sid)] = int(n)
             d.orphans -= 1
         self._metrics.devices_tracked.set(len(self._devices))

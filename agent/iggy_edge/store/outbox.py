@@ -10,8 +10,6 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-import aiosqlite
-
 from ..config import BufferSettings
 from ..metrics import Metrics
 from ..timeouts import wait_for
@@ -174,14 +172,6 @@ class Outbox(GroupCommit, ReadConfirm):
         await self._db.close(checkpoint=True)
 
     @property
-    def connection(self) -> aiosqlite.Connection:
-        return self._conn
-
-    @property
-    def database(self) -> Database:
-        return self._db
-
-    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -189,10 +179,6 @@ class Outbox(GroupCommit, ReadConfirm):
         """Was a record with this topic, device sequence and payload CRC
         committed recently?  (Used for broker redeliveries only.)"""
         return recent_key(mqtt_topic, device_seq, crc) in self._recent
-
-    def fail(self, err: StoreError) -> None:
-        """Refuse further submissions (used when the disk is gone)."""
-        self._failure = err
 
     async def get_meta(self, key: str) -> str | None:
         """A value of the meta table (ingest keeps its session flag there)."""
