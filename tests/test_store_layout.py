@@ -79,3 +79,19 @@ def test_no_reference_to_the_removed_store_module() -> None:
     for path in mine:
         text = path.read_text(encoding="utf-8")
         assert re.search(r"\bstore\.py\b", text) is None, path
+
+
+def test_get_or_create_a_route_or_source_id_is_written_once() -> None:
+    """The commit, the salvage and the CLI's replay take their ids from
+    sources.Catalog; only the migration (bulk) and the salvage (routes
+    copied with their ids) write those tables otherwise."""
+    agent = STORE.parent
+    writers: dict[str, set[str]] = {"INTO sources": set(), "INTO routes": set(), "SOURCE_ID_SQL": set()}
+    for path in agent.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for needle, found in writers.items():
+            if needle in text:
+                found.add(path.relative_to(agent).as_posix())
+    assert writers["SOURCE_ID_SQL"] == {"store/sources.py"}
+    assert writers["INTO sources"] <= {"store/sources.py", "store/schema.py"}
+    assert writers["INTO routes"] <= {"store/sources.py", "store/recovery/salvage.py"}

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from ..config import BufferSettings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
-from ..records import Route, gateway_hash32
+from ..records import gateway_hash32
 from .db import Database
 from .schema import COUNT_DROP_SQL
-from .sources import SOURCE_ID_SQL
+from .sources import Catalog
 
 if TYPE_CHECKING:
     from .devices import Device
@@ -53,12 +53,7 @@ class OutboxBase:
         self._sync_insert = settings.synchronous.upper()
         self._limited = RateLimitedLog(log)
         self._epoch = 0
-        self._route_ids: dict[Route | tuple[str, str], int] = {}
-        self._route_names: dict[int, tuple[str, str]] = {}
-        # sources (schema.py): (route id, key, mqtt topic) -> id, and id ->
-        # (stream, topic, key, mqtt topic) for the reader
-        self._source_ids: dict[tuple[int, str, str], int] = {}
-        self._source_names: dict[int, tuple[str, str, str, str]] = {}
+        self._catalog = Catalog()  # routes and sources, their ids (sources.py)
         # per-device bounds (devices.py): device -> its state, source id -> its
         # rows, sources forgotten and not yet deleted from the table
         self._devices: dict[str, Device] = {}
@@ -105,26 +100,6 @@ class OutboxBase:
         self._metrics.backlog_records.set(self.records)
         self._metrics.backlog_bytes.set(self.bytes)
         self._metrics.dead_letter_bytes.set(self.dead_bytes)
-
-    async def _source_rows(
-        self, rows: list[tuple[Any, ...]]
-    ) -> tuple[list[tuple[Any, ...]], dict[tuple[int, str, str], int]]:
-        """Rows (route_id, pkey, mqtt_topic, flags, received_us, device_seq,
-        payload) as outbox rows (source_id, flags, received_us, device_seq,
-        payload).  Sources new to the file are created inside the caller's
-        transaction and returned: `_register_source` (devices.py) caches them
-        once it committed (a rollback must not leave an id in the cache)."""
-        known = self._source_ids
-        new: dict[tuple[int, str, str], int] = {}
-        out = []
-        for r in rows:
-            key = (r[0], r[1], r[2])
-            sid = known.get(key) or new.get(key)
-            if sid is None:
-                row = await self._db.fetchone(SOURCE_ID_SQL, key)
-                sid = new[key] = int(row[0])
-            out.append((sid, r[3], r[4], r[5], r[6]))
-        return out, new
 
     async def _count_drop(self, reason: str, n: int) -> None:
         """Add `n` to the persistent drop counter (inside the caller's transaction)."""

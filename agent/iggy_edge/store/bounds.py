@@ -130,7 +130,7 @@ class Bounds(DeviceBounds):
         seq order) until `records` rows and `nbytes` accounted bytes are
         freed, no more (inside the caller's transaction)."""
         sids = [sid for sid in d.sids if self._src_rows.get(sid)]
-        names = self._source_names
+        names = self._catalog.source_names
         freed_r = freed_b = 0
         after = 0
         while sids and (freed_r < records or freed_b < nbytes):

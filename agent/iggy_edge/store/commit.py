@@ -140,18 +140,6 @@ class GroupCommit(DeadLetters, Bounds):
         if done is not None and not done.done():
             done.set_result(None)
 
-    async def _route_id(self, route: Route) -> int:
-        key = (route.stream, route.topic)
-        rid = self._route_ids.get(key)
-        if rid is None:
-            await self._conn.execute("INSERT OR IGNORE INTO routes(stream, topic) VALUES (?, ?)", key)
-            row = await self._db.fetchone("SELECT id FROM routes WHERE stream = ? AND topic = ?", key)
-            assert row is not None
-            rid = int(row[0])
-            self._route_ids[key] = rid
-            self._route_names[rid] = key
-        return rid
-
     async def _last_seq(self) -> int:
         row = await self._db.fetchone("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'")
         return 0 if row is None else int(row[0])
@@ -160,11 +148,11 @@ class GroupCommit(DeadLetters, Bounds):
         """Write one group (lock held): bounds first, then one transaction."""
         rows = []
         add_bytes = 0
-        route_ids = self._route_ids
+        route_ids = self._catalog.route_ids
         for it in items:
             rid = route_ids.get((it.route.stream, it.route.topic))
             if rid is None:
-                rid = await self._route_id(it.route)
+                rid = await self._catalog.route_id(self._db, it.route.stream, it.route.topic)
             rows.append(
                 (
                     rid,
@@ -187,7 +175,7 @@ class GroupCommit(DeadLetters, Bounds):
             freed_records, freed_bytes = await self._make_room(fit)
             await self._delete_doomed()
             if rows:
-                outbox_rows, new_sources = await self._source_rows(rows)
+                outbox_rows, new_sources = await self._catalog.source_rows(self._db, rows)
                 await self._insert_rows(
                     "INSERT INTO outbox(source_id, flags, received_us, device_seq, payload)", 5, outbox_rows
                 )

@@ -129,9 +129,7 @@ class DeviceBounds(OutboxBase):
     # -- accounting (after a commit, per row) -------------------------------
 
     def _register_source(self, sid: int, key: tuple[int, str, str]) -> None:
-        self._source_ids[key] = sid
-        stream, topic = self._route_names[key[0]]
-        self._source_names[sid] = (stream, topic, key[1], key[2])
+        self._catalog.add(sid, key)
         self._doomed.discard(sid)
         d = self._devices.get(key[1])
         if d is None:
@@ -162,7 +160,7 @@ class DeviceBounds(OutboxBase):
         n = self._src_rows.get(sid)
         if n is None:
             return
-        d = self._devices[self._source_names[sid][2]]
+        d = self._devices[self._catalog.source_names[sid][2]]
         d.records -= 1
         d.bytes -= size
         self._src_rows[sid] = n - 1
@@ -178,8 +176,7 @@ class DeviceBounds(OutboxBase):
         the next commit).  True when any was forgotten."""
         gone = [sid for sid in d.sids if not self._src_rows[sid]]
         for sid in gone:
-            stream, itopic, key, topic = self._source_names.pop(sid)
-            self._source_ids.pop((self._route_ids[(stream, itopic)], key, topic), None)
+            _stream, _itopic, _key, topic = self._catalog.forget(sid)
             d.sids.discard(sid)
             del self._src_rows[sid]
             left = d.topics[topic] - 1
@@ -224,7 +221,7 @@ class DeviceBounds(OutboxBase):
             "SELECT source_id, count(*), sum(length(payload)) FROM outbox GROUP BY source_id"
         )
         for sid, n, nbytes in counts:
-            names = self._source_names.get(int(sid))
+            names = self._catalog.source_names.get(int(sid))
             if names is None:
                 continue
             d = self._devices[names[2]]

@@ -95,8 +95,7 @@ class Outbox(GroupCommit, ReadConfirm):
             await self._conn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (epoch,))
         self._epoch = int(epoch)
         for rid, stream, topic in await self._db.fetchall("SELECT id, stream, topic FROM routes"):
-            self._route_ids[(stream, topic)] = rid
-            self._route_names[rid] = (stream, topic)
+            self._catalog.add_route(rid, stream, topic)
         await self._load_devices()
         dead = await self._db.fetchone(DEAD_TOTALS_SQL)
         self.dead_count, self.dead_bytes = int(dead[0]), int(dead[1]) + ROW_OVERHEAD * int(dead[0])

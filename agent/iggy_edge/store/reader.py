@@ -106,7 +106,7 @@ class ReadConfirm(DeviceBounds):
         append = out.append
         high = (self._gateway_hash << 96) | (self._epoch << 64)
         gw = self._gateway_id
-        names = self._source_names
+        names = self._catalog.source_names
         qos = _QOS
         for seq, sid, flags, recv, dseq, payload in rows:
             stream, itopic, pkey, topic = names[sid]
@@ -162,7 +162,7 @@ class ReadConfirm(DeviceBounds):
                     gone_rows += await self._conn.execute_fetchall(_CONFIRM_SQL, rng)
         deleted = len(gone_rows)
         if deleted:
-            names = self._source_names
+            names = self._catalog.source_names
             row_gone = self._row_gone
             freed = 0
             for sid, size in gone_rows:
@@ -173,7 +173,7 @@ class ReadConfirm(DeviceBounds):
             self.bytes -= freed
         if self.records == 0 and self._pending_bytes == 0:
             self.payload_high = 0  # empty: the next payloads set it again
-        if self.records == 0 and len(self._source_ids) > SOURCES_KEPT:
+        if self.records == 0 and len(self._catalog.source_ids) > SOURCES_KEPT:
             await self._forget_sources()
         self._update_gauges()
         return deleted

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..db import sync_transaction
-from ..sources import source_id_sync
+from ..sources import Catalog
 from .events import Event
 
 log = logging.getLogger(__name__)
@@ -111,14 +111,10 @@ def _write_outbox(
     batch: list[tuple[Any, ...]] = []
     orphans: list[tuple[Any, ...]] = []
 
-    sources: dict[tuple[int, str, str], int] = {}
+    catalog = Catalog()
 
     def source(r: tuple[Any, ...]) -> int:
-        key = (r[1], r[2], r[3])
-        sid = sources.get(key)
-        if sid is None:
-            sources[key] = sid = source_id_sync(dst, *key)
-        return sid
+        return catalog.source_id_sync(dst, (r[1], r[2], r[3]))
 
     def flush() -> tuple[int, int]:
         with sync_transaction(dst):
