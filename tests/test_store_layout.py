@@ -95,3 +95,39 @@ def test_get_or_create_a_route_or_source_id_is_written_once() -> None:
     assert writers["SOURCE_ID_SQL"] == {"store/sources.py"}
     assert writers["INTO sources"] <= {"store/sources.py", "store/schema.py"}
     assert writers["INTO routes"] <= {"store/sources.py", "store/recovery/salvage.py"}
+
+
+def test_the_outbox_is_composed_of_parts_that_own_their_state() -> None:
+    """No mixins: each part is its own object, holding references to the
+    parts it needs (store/base.py has the table)."""
+    from iggy_edge.store import Outbox  # noqa: PLC0415 - beside what it checks
+    from iggy_edge.store.base import Part  # noqa: PLC0415
+
+    assert Outbox.__mro__ == (Outbox, object)
+    parts = importlib.import_module("iggy_edge.store.outbox")
+    for name in ("Bounds", "DeadLetters", "Devices", "GroupCommit", "Reader"):
+        cls = getattr(parts, name)
+        assert cls.__mro__ == (cls, Part, object), name
+
+
+async def test_each_part_holds_its_own_state(tmp_path: Path) -> None:
+    from iggy_edge.config import BufferSettings  # noqa: PLC0415
+    from iggy_edge.metrics import Metrics  # noqa: PLC0415
+    from iggy_edge.store import Outbox  # noqa: PLC0415
+
+    box = await Outbox.open(tmp_path / "b.db", BufferSettings(), "gw", Metrics())
+    try:
+        owners = {
+            "by_key": box.devices,
+            "groups": box.dead,
+            "_recent": box.commit,
+            "_pending": box.commit,
+            "source_names": box.catalog,
+            "epoch": box.reader,
+        }
+        every = (box.devices, box.bounds, box.dead, box.commit, box.reader, box.catalog)
+        for attr, owner in owners.items():
+            assert [p for p in every if attr in vars(p)] == [owner], attr
+        assert box.commit._handover is box.dead._handover  # noqa: SLF001 - the one channel to the committer
+    finally:
+        await box.close()

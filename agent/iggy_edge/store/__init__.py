@@ -12,10 +12,13 @@ Design
   read beside the running agent (WAL).
 * The package, by job: `db` (connections, transactions, pragmas), `schema`
   (tables, constants, opening the file), `recovery/` (a full disk versus a
-  damaged file, salvage, the WAL header), `commit` (ingest's group commit),
-  `reader` (read a batch, confirm), `bounds` (max_records / max_bytes,
-  ttl_s), `dead` (dead letters), `outbox` (life cycle; `Outbox` is one
-  object whose jobs live in those modules, sharing the state in `base`).
+  damaged file, salvage, the WAL header), `sources` (route and source ids:
+  the one get-or-create), `devices` (per-device accounting), `bounds`
+  (max_records / max_bytes, ttl_s), `dead` (dead letters), `commit`
+  (ingest's group commit), `reader` (read a batch, confirm), `outbox` (puts
+  them together: life cycle, the API the stages call).  `Outbox` is
+  composed of parts that own their state and hold explicit references to
+  the parts they need; base.py has the table of who owns and gets what.
 * **Group commit.**  Ingest hands records over synchronously
   (`Outbox.submit`) in arrival order and awaits the commit of the group that
   contains them.  A committer task takes whatever is pending (up to
