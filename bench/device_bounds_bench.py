@@ -58,7 +58,7 @@ async def main() -> None:
     await box.close()
     st = read_stats(path)
     box = await Outbox.open(path, settings, "gw-bench", Metrics())
-    cached = len(box._source_names)  # noqa: SLF001 - the cache that grew the RSS
+    cached = len(box.catalog.source_names)
     await box.close()
     print(
         f"quiet_kept={quiet}/100 file_MB={st.file_bytes / 1e6:.1f}"

@@ -26,7 +26,7 @@ from iggy_edge.downlink.commands import (
     make_config,
     partition_of,
 )
-from iggy_edge.downlink.views import read_commands
+from iggy_edge.inbox_admin import read_commands
 from iggy_edge.runtime import build_agent
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSource, send_command

@@ -21,7 +21,7 @@ from iggy_edge.downlink.commands import Ack, Command, CommandState, DesiredConfi
 from iggy_edge.downlink.deliver import Deliverer
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.inflight import POISON_STRIKES
-from iggy_edge.downlink.views import read_commands
+from iggy_edge.inbox_admin import read_commands
 from iggy_edge.metrics import Metrics
 
 from tests.support.broker import Broker

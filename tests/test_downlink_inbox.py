@@ -22,7 +22,7 @@ from iggy_edge.downlink.commands import (
     parse_command,
 )
 from iggy_edge.downlink.inbox import Inbox
-from iggy_edge.downlink.views import read_commands, read_offsets
+from iggy_edge.inbox_admin import read_commands, read_offsets
 
 from tests.support.downlink import downlink_settings
 

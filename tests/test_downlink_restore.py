@@ -34,7 +34,7 @@ from iggy_edge.downlink.commands import (
     partition_of,
 )
 from iggy_edge.downlink.inbox import Inbox
-from iggy_edge.downlink.views import read_commands
+from iggy_edge.inbox_admin import read_commands
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 

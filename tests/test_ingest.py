@@ -64,7 +64,7 @@ async def test_qos1_is_acknowledged_only_after_commit(tmp_path: Path, broker: Br
 
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
-        agent.outbox._insert = held_then_failed  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
+        agent.outbox.commit._insert = held_then_failed  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         await publish_all(
             broker.host, broker.port, "pub-ack", [("edge/dev-ack/up/env", reading(i)) for i in range(n)]
         )
@@ -196,7 +196,7 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
         outbox = agent.outbox
-        real_insert = outbox._insert  # noqa: SLF001 - fault at the SQL seam
+        real_insert = outbox.commit._insert  # noqa: SLF001 - fault at the SQL seam
         crashed = asyncio.Event()
 
         async def commit_then_die(items: list[Incoming]) -> None:
@@ -205,7 +205,7 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
                 crashed.set()
                 kill_connection(agent)  # committed, but the PUBACK never leaves
 
-        outbox._insert = commit_then_die  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
+        outbox.commit._insert = commit_then_die  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         pub = await Publisher(broker.host, broker.port, "pub-redeliver").connect()
         try:
             await pub.publish("edge/dev-rd/up/env", reading(1), tag=1)
@@ -237,14 +237,14 @@ async def test_ingest_recovers_in_the_same_process_when_the_store_works_again(
 
     async with running_agent(settings) as agent:
         assert agent.outbox is not None
-        real_insert = agent.outbox._insert  # noqa: SLF001 - fault at the SQL seam
+        real_insert = agent.outbox.commit._insert  # noqa: SLF001 - fault at the SQL seam
 
         async def flaky_insert(items: list[Incoming]) -> None:
             if failing:
                 raise sqlite3.OperationalError("simulated: database or disk is full")
             await real_insert(items)
 
-        agent.outbox._insert = flaky_insert  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
+        agent.outbox.commit._insert = flaky_insert  # type: ignore[method-assign]  # noqa: SLF001 - fault at the SQL seam
         await publish_all(
             broker.host, broker.port, "pub-disk", [("edge/dev-disk/up/env", reading(i)) for i in range(n)]
         )

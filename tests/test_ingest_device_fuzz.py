@@ -112,8 +112,8 @@ async def _run(tmp: Path, broker: Broker, messages: list[tuple[str, bytes]]) -> 
         # every PUBACK came after a commit: all are settled already, one way or the other
         await async_wait_until(lambda: settled() == len(messages), 10)
         box = agent.outbox
-        assert len(box._devices) <= MAX_DEVICES  # noqa: SLF001 - the bound under test
-        assert all(len(d.topics) <= MAX_TOPICS for d in box._devices.values())  # noqa: SLF001
+        assert len(box.devices.by_key) <= MAX_DEVICES
+        assert all(len(d.topics) <= MAX_TOPICS for d in box.devices.by_key.values())
         assert box.dead_bytes <= DEAD_BYTES
     with sqlite3.connect(settings.buffer_path) as c:
         records = c.execute("SELECT count(*) FROM outbox").fetchone()[0]

@@ -56,13 +56,13 @@ async def test_qos0_dead_letters_keep_to_the_qos0_bound(
     release = asyncio.Event()
     async with running_agent(make_settings(tmp_path, broker)) as agent:
         assert agent.outbox is not None
-        real = agent.outbox._commit_dead_group  # noqa: SLF001 - hold the store's dead-letter commit
+        real = agent.outbox.dead._commit_dead_group  # noqa: SLF001 - hold the store's dead-letter commit
 
         async def held(group: Any) -> None:
             await release.wait()
             await real(group)
 
-        monkeypatch.setattr(agent.outbox, "_commit_dead_group", held)
+        monkeypatch.setattr(agent.outbox.dead, "_commit_dead_group", held)
         await publish_all(broker.host, broker.port, "flood-q0", [("edge/d/up/env", b"")] * 200, qos=0)
         m = agent.metrics
         await async_wait_until(lambda: m.value("iggy_edge_ingest_messages_total", qos="0") == 200, 20)
@@ -80,13 +80,13 @@ async def test_dead_letters_are_committed_in_groups(
     groups: list[int] = []
     async with running_agent(make_settings(tmp_path, broker)) as agent:
         assert agent.outbox is not None
-        real = agent.outbox._commit_dead_group  # noqa: SLF001 - count the store's dead-letter commits
+        real = agent.outbox.dead._commit_dead_group  # noqa: SLF001 - count the store's dead-letter commits
 
         async def counted(group: Any) -> None:
             groups.append(len(group.rows))
             await real(group)
 
-        monkeypatch.setattr(agent.outbox, "_commit_dead_group", counted)
+        monkeypatch.setattr(agent.outbox.dead, "_commit_dead_group", counted)
         await publish_all(broker.host, broker.port, "flood-g", [("edge/d/up/env", b"")] * 2000, qos=1)
         await async_wait_until(lambda: sum(groups) == 2000, 30)
     assert max(groups) > 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from iggy_edge.config import parse_config
 from iggy_edge.downlink.commands import commands_topic, partition_of
-from iggy_edge.downlink.views import read_commands
+from iggy_edge.inbox_admin import read_commands
 from iggy_edge.reload import plan
 from iggy_edge.runtime import build_agent
 from iggy_edge.uplink.factory import consumer_name

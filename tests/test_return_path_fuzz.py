@@ -40,7 +40,7 @@ from iggy_edge.downlink.commands import (
     read_command,
     read_config,
 )
-from iggy_edge.downlink.views import read_commands, read_configs
+from iggy_edge.inbox_admin import read_commands, read_configs
 
 from tests.support.downlink import downlink_settings
 from tests.support.return_path import poll_harness

@@ -33,7 +33,7 @@ from iggy_edge.downlink.commands import (
 from iggy_edge.downlink.component import ACK_WRONG_DEVICE
 from iggy_edge.downlink.inbox import Inbox, RowRefused
 from iggy_edge.downlink.poll import TOO_MANY_CONFIG_DEVICES
-from iggy_edge.downlink.views import read_commands, read_configs
+from iggy_edge.inbox_admin import read_commands, read_configs
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 

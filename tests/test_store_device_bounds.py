@@ -153,12 +153,12 @@ async def test_sources_of_dropped_and_forwarded_rows_make_room(tmp_path: Path) -
             assert box.admit(route, topic) is None, i
             await box.submit(Incoming(route, topic, 1, False, i, b"x"))
         assert table_count(path, "sources") <= 8 + 1
-        assert len(box._source_names) <= 8  # noqa: SLF001 - the cache is what grew the RSS
+        assert len(box.catalog.source_names) <= 8
     finally:
         await box.close()
     box = await open_box(path, max_records=5, max_topics_per_device=8)
     try:
-        assert len(box._source_names) == 5  # noqa: SLF001
+        assert len(box.catalog.source_names) == 5
     finally:
         await box.close()
     assert table_count(path, "sources") == 5

@@ -23,8 +23,8 @@ from iggy_edge.config import BufferSettings
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route, split_message_id
 from iggy_edge.store import Incoming, Outbox, StoreUnavailable
-from iggy_edge.store.recovery import WAL_HEADER, wal_checksum, wal_header_problem
-from iggy_edge.store.schema import recover
+from iggy_edge.store.recovery.opening import recover
+from iggy_edge.store.recovery.wal import WAL_HEADER, wal_checksum, wal_header_problem
 
 from tests.support.tmpfs import fill_disk
 from tests.support.tmpfs import small_tmpfs as tmpfs

@@ -30,7 +30,7 @@ from .store.schema import (
     device_seq_of,
     migrate,
 )
-from .store.sources import source_id_sync
+from .store.sources import Catalog
 
 __all__ = [
     "BufferBusy",
@@ -73,7 +73,7 @@ class BufferStats:
     drops_by_reason: dict[str, int]
     file_bytes: int
     dead_letter_bytes: int = 0  # accounted (payload + topic + ROW_OVERHEAD), against max_dead_letter_bytes
-    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery.py)
+    recovery: list[Event] = field(default_factory=list)  # damaged buffer / WAL events (store/recovery/)
 
     @property
     def unacknowledged(self) -> list[Event]:
@@ -299,6 +299,7 @@ def replay_dead_letters(
     migrate(conn)  # a file the agent has not opened since its upgrade
     count, nbytes = conn.execute(OUTBOX_TOTALS_SQL).fetchone()
     records, used = int(count), int(nbytes) + ROW_OVERHEAD * int(count)
+    catalog = Catalog()
     after = 0
     while True:
         rows = conn.execute(
@@ -329,17 +330,12 @@ def replay_dead_letters(
                 if records + 1 > settings.max_records or used + add > settings.max_bytes:
                     result.no_room += 1
                     continue
-                conn.execute(
-                    "INSERT OR IGNORE INTO routes(stream, topic) VALUES (?, ?)", (route.stream, route.topic)
-                )
-                (rid,) = conn.execute(
-                    "SELECT id FROM routes WHERE stream = ? AND topic = ?", (route.stream, route.topic)
-                ).fetchone()
+                rid = catalog.route_id_sync(conn, route.stream, route.topic)
                 conn.execute(
                     "INSERT INTO outbox(source_id, flags, received_us, device_seq, payload)"
                     " VALUES (?, ?, ?, ?, ?)",
                     (
-                        source_id_sync(conn, int(rid), route.key, topic),
+                        catalog.source_id_sync(conn, (rid, route.key, topic)),
                         int(qos) | (int(retain) << 2),
                         recv,
                         device_seq_of(payload),

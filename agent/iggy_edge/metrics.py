@@ -109,7 +109,7 @@ class Metrics:
             registry=r,
         )
         self.store_errors = Counter("iggy_edge_store_errors", "SQLite errors", registry=r)
-        # damaged buffers (store/recovery.py)
+        # damaged buffers (store/recovery/)
         self.store_moved_aside = Counter(
             "iggy_edge_store_moved_aside", "Damaged buffer files moved aside", registry=r
         )

@@ -17,7 +17,7 @@ from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import Command, commands_topic, config_topic, partition_of
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.poll import ReturnPoll
-from iggy_edge.downlink.views import read_commands, read_offsets
+from iggy_edge.inbox_admin import read_commands, read_offsets
 from iggy_edge.metrics import Metrics
 from iggy_edge.runtime import build_agent
 from iggy_edge.store.outbox import Outbox

@@ -37,7 +37,7 @@ from ..downlink.commands import (
     partition_of,
     printable,
 )
-from ..downlink.views import read_commands, read_configs, read_offsets, request_republish
+from ..inbox_admin import read_commands, read_configs, read_offsets, request_republish
 from ..uplink.iggy import send_command
 from ..uplink.protocol import UplinkError
 from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit

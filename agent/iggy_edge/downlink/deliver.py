@@ -79,8 +79,8 @@ from ..mqttconn import close, connect, keep_session, set_credentials, wait_first
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id
 from .inbox import Inbox, PendingCommand, PendingConfig
+from .inbox_schema import REPUBLISH
 from .inflight import POISON_STRIKES, BrokerLost, PubackTracker, Suspects
-from .views import REPUBLISH
 
 log = logging.getLogger(__name__)
 

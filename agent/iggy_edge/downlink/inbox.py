@@ -2,7 +2,7 @@
 
 Design
 ------
-* Same database file as the outbox (store.py), own tables, own aiosqlite
+* Same database file as the outbox (store/), own tables (inbox_schema.py), own aiosqlite
   connection.  Not `Outbox.connection`: the outbox runs explicit
   ``BEGIN IMMEDIATE ... COMMIT`` sequences on its connection with awaits in
   between, so a statement of ours issued meanwhile would silently join (or
@@ -50,45 +50,7 @@ import aiosqlite
 from ..config import Settings
 from ..store.db import Database
 from .commands import Ack, Command, CommandState, DesiredConfig
-from .views import RECEIVED, REPUBLISH, mark_sql
-
-SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS downlink_offsets (
-    stream TEXT NOT NULL,
-    topic TEXT NOT NULL,
-    partition_id INTEGER NOT NULL,
-    last_offset INTEGER NOT NULL,       -- last consumed; polling resumes at +1
-    mirrored_offset INTEGER,            -- last offset the Iggy server accepted
-    updated_at REAL NOT NULL,
-    PRIMARY KEY (stream, topic, partition_id)
-);
-CREATE TABLE IF NOT EXISTS downlink_commands (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order = delivery order
-    id TEXT NOT NULL UNIQUE,
-    device TEXT NOT NULL,
-    name TEXT NOT NULL,
-    payload BLOB NOT NULL,              -- what the device receives
-    created_at REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    received_at REAL NOT NULL,
-    state TEXT NOT NULL,
-    updated_at REAL NOT NULL,
-    detail TEXT NOT NULL DEFAULT '',
-    source TEXT NOT NULL                -- topic/partition@offset in Iggy
-);
-CREATE INDEX IF NOT EXISTS downlink_commands_state ON downlink_commands(state, seq);
-CREATE TABLE IF NOT EXISTS downlink_config (
-    device TEXT PRIMARY KEY,
-    id TEXT NOT NULL,
-    payload BLOB NOT NULL,              -- retained on down/config
-    created_at REAL NOT NULL,
-    received_at REAL NOT NULL,
-    state TEXT NOT NULL,                -- received | delivered | failed | republish
-    updated_at REAL NOT NULL,
-    detail TEXT NOT NULL DEFAULT '',
-    source TEXT NOT NULL
-);
-"""
+from .inbox_schema import RECEIVED, REPUBLISH, SCHEMA, mark_sql
 
 TERMINAL: Final = tuple(
     s.value for s in (CommandState.ACKED, CommandState.EXPIRED, CommandState.FAILED, CommandState.DELIVERED)

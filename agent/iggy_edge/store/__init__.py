@@ -11,11 +11,14 @@ Design
   blocking equivalents for the CLI's buffer tools (buffer_admin.py), which may
   read beside the running agent (WAL).
 * The package, by job: `db` (connections, transactions, pragmas), `schema`
-  (tables, constants, opening the file), `recovery` (a full disk versus a
-  damaged file, salvage, the WAL header), `commit` (ingest's group commit),
-  `reader` (read a batch, confirm), `bounds` (max_records / max_bytes,
-  ttl_s), `dead` (dead letters), `outbox` (life cycle; `Outbox` is one
-  object whose jobs live in those modules, sharing the state in `base`).
+  (tables, constants, opening the file), `recovery/` (a full disk versus a
+  damaged file, salvage, the WAL header), `sources` (route and source ids:
+  the one get-or-create), `devices` (per-device accounting), `bounds`
+  (max_records / max_bytes, ttl_s), `dead` (dead letters), `commit`
+  (ingest's group commit), `reader` (read a batch, confirm), `outbox` (puts
+  them together: life cycle, the API the stages call).  `Outbox` is
+  composed of parts that own their state and hold explicit references to
+  the parts they need; base.py has the table of who owns and gets what.
 * **Group commit.**  Ingest hands records over synchronously
   (`Outbox.submit`) in arrival order and awaits the commit of the group that
   contains them.  A committer task takes whatever is pending (up to
@@ -51,7 +54,7 @@ Design
   (`enqueue_dead_letter`, at most 1000 letters or 4 MiB a group, payloads cut
   to max_payload_bytes on arrival); `pending_bytes` tells ingest how many
   payload bytes wait for a commit, so it can bound its work by bytes.
-* **A failing disk is not a damaged file** (recovery.py).  Errors are told
+* **A failing disk is not a damaged file** (recovery/).  Errors are told
   apart by SQLite's error code: a full or failing disk leaves the file in
   place, the agent reports store=failed, acknowledges nothing and retries
   (`Outbox.open_when_possible`); only a corruption confirmed by
@@ -66,15 +69,8 @@ from .base import redelivery_key
 from .commit import Incoming
 from .db import Database, NoDatabase, StoreError, ro_connect, sync_transaction
 from .outbox import Outbox
-from .recovery import Event, StoreUnavailable
-from .schema import (
-    ROW_OVERHEAD,
-    SCHEMA,
-    SCHEMA_VERSION,
-    accounted_bytes,
-    device_seq_of,
-    open_database,
-)
+from .recovery import Event, StoreUnavailable, open_database
+from .schema import ROW_OVERHEAD, SCHEMA, SCHEMA_VERSION, accounted_bytes, device_seq_of
 
 __all__ = [
     "ROW_OVERHEAD",

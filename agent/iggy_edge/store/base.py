@@ -1,5 +1,27 @@
-"""The state the outbox's jobs share (one object, split by job over mixins:
-commit.py, reader.py, bounds.py, dead.py; outbox.py puts them together)."""
+"""How the outbox is put together: parts that own their state, joined by
+explicit references (outbox.py builds them).
+
+=============  ==========================================  =====================
+part           owns                                        is given
+=============  ==========================================  =====================
+`Catalog`      route and source ids (sources.py)           --
+`Devices`      per-device accounting (devices.py)          catalog
+`Bounds`       nothing: the policy (bounds.py)             backlog, devices, catalog
+`DeadLetters`  dead-letter groups, count, bytes (dead.py)  handover
+`GroupCommit`  the open group, redelivery window           handover, backlog, catalog,
+               (commit.py)                                 devices, bounds, dead letters
+`Reader`       the epoch; reads and confirms (reader.py)   handover, backlog, catalog, devices
+=============  ==========================================  =====================
+
+Two small objects here are given to more than one part, because each is
+one fact that several parts change: `Backlog`, the outbox table's totals
+(the commit adds, a confirm, an expiry or a drop takes away), and
+`Handover`, the channel from the synchronous submitters (records, dead
+letters) to the committer task: payload bytes waiting, the wake-up event
+and the committer itself.  Every part also holds the `Part` references:
+the database, the settings (each part's `reconfigure`), metrics and the
+rate-limited log -- references, no state.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +29,11 @@ import asyncio
 import logging
 import sys
 import zlib
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from ..config import BufferSettings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
-from ..records import Route, gateway_hash32
-from .db import Database, StoreError
-from .schema import COUNT_DROP_SQL, ROW_OVERHEAD
-from .sources import SOURCE_ID_SQL
-
-if TYPE_CHECKING:
-    from .devices import Device
+from .db import Database
 
 log = logging.getLogger("iggy_edge.store")
 
@@ -47,103 +60,59 @@ def redelivery_key(mqtt_topic: str, qos: int, device_seq: int | None, payload: b
     return sys.intern(mqtt_topic), device_seq << 32 | zlib.crc32(payload)
 
 
-@dataclass
-class _DeadGroup:
-    """Dead letters committed together (dead.py)."""
+class Backlog:
+    """The outbox table's totals: records, accounted bytes, and at least the
+    largest payload in the outbox or on its way there (a high-water mark
+    since the outbox was last empty: read_batch uses it to keep a batch read
+    within its byte limit).  `data_available` is set whenever a commit added
+    records."""
 
-    rows: list[tuple[Any, ...]] = field(default_factory=list)
-    nbytes: int = 0
-    done: asyncio.Future[None] | None = None
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self.records = 0
+        self.bytes = 0
+        self.payload_high = 0
+        self.data_available = asyncio.Event()
+
+    def update_gauges(self) -> None:
+        self._metrics.backlog_records.set(self.records)
+        self._metrics.backlog_bytes.set(self.bytes)
 
 
-class OutboxBase:
-    """Fields and small helpers used by more than one job."""
+class Handover:
+    """From the submitters (records, dead letters; synchronous) to the
+    committer task."""
 
-    def __init__(self, db: Database, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> None:
+    def __init__(self) -> None:
+        self.pending_bytes = 0  # payload bytes handed over, not yet committed
+        self.progress = asyncio.Event()  # set whenever a commit releases pending bytes
+        self.wakeup = asyncio.Event()
+        self.closed = False
+        self.committer: asyncio.Task[None] | None = None
+
+    def committer_running(self) -> bool:
+        return self.committer is not None and not self.committer.done()
+
+    def release(self, nbytes: int) -> None:
+        self.pending_bytes -= nbytes
+        self.progress.set()
+
+
+class Part:
+    """The references every part holds (no state of its own)."""
+
+    def __init__(self, db: Database, settings: BufferSettings, metrics: Metrics) -> None:
         self._db = db
         self._conn = db.conn
-        self._settings = settings
-        self._gateway_id = gateway_id
-        self._gateway_hash = gateway_hash32(gateway_id)
-        self._metrics = metrics
-        self._sync_insert = settings.synchronous.upper()
-        self._limited = RateLimitedLog(log)
-        self._epoch = 0
-        self._route_ids: dict[Route | tuple[str, str], int] = {}
-        self._route_names: dict[int, tuple[str, str]] = {}
-        # sources (schema.py): (route id, key, mqtt topic) -> id, and id ->
-        # (stream, topic, key, mqtt topic) for the reader
-        self._source_ids: dict[tuple[int, str, str], int] = {}
-        self._source_names: dict[int, tuple[str, str, str, str]] = {}
-        # per-device bounds (devices.py): device -> its state, source id -> its
-        # rows, sources forgotten and not yet deleted from the table
-        self._devices: dict[str, Device] = {}
-        self._src_rows: dict[int, int] = {}
-        self._doomed: set[int] = set()
-        self._idle_maybe = False
-        self._row_overhead = ROW_OVERHEAD
-        # dead letters in the table: count and accounted bytes (dead.py)
-        self.dead_count = 0
-        self.dead_bytes = 0
         # Every statement of the running outbox goes through this lock (see
         # db.py): the committer, the forwarder, ingest's dead letters and
         # housekeeping share one connection.
         self._lock = db.lock
-        self._wakeup = asyncio.Event()
-        self._data_available = asyncio.Event()
-        self._closed = False
-        self._failure: StoreError | None = None
-        # Insertion-ordered and bounded.  An OrderedDict because trimming a plain
-        # dict from the front with next(iter(d)) rescans its deleted slots: that
-        # was 10 us per record at 20k entries, the largest cost in _insert.
-        # Keys are `recent_key`s: 169 bytes an entry against 274 for a
-        # (topic, seq, crc) triple with its own topic string (2 MB less at 20k).
-        self._recent: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self._recent_count = 0
-        self.records = 0
-        self.bytes = 0
-        # At least the largest payload in the outbox or on its way there (a
-        # high-water mark since the outbox was last empty): read_batch uses
-        # it to keep a batch read within its byte limit.
-        self.payload_high = 0
-        self._committer: asyncio.Task[None] | None = None
-        # payload bytes handed over (records and dead letters), not yet committed
-        self._pending_bytes = 0
-        self._progress = asyncio.Event()  # set whenever a commit releases pending bytes
-        self._dead_groups: deque[_DeadGroup] = deque()
+        self._settings = settings
+        self._metrics = metrics
+        self._sync_insert = settings.synchronous.upper()
+        self._limited = RateLimitedLog(log)
 
-    def _committer_running(self) -> bool:
-        return self._committer is not None and not self._committer.done()
-
-    def _release(self, nbytes: int) -> None:
-        self._pending_bytes -= nbytes
-        self._progress.set()
-
-    def _update_gauges(self) -> None:
-        self._metrics.backlog_records.set(self.records)
-        self._metrics.backlog_bytes.set(self.bytes)
-        self._metrics.dead_letter_bytes.set(self.dead_bytes)
-
-    async def _source_rows(
-        self, rows: list[tuple[Any, ...]]
-    ) -> tuple[list[tuple[Any, ...]], dict[tuple[int, str, str], int]]:
-        """Rows (route_id, pkey, mqtt_topic, flags, received_us, device_seq,
-        payload) as outbox rows (source_id, flags, received_us, device_seq,
-        payload).  Sources new to the file are created inside the caller's
-        transaction and returned: `_register_source` (devices.py) caches them
-        once it committed (a rollback must not leave an id in the cache)."""
-        known = self._source_ids
-        new: dict[tuple[int, str, str], int] = {}
-        out = []
-        for r in rows:
-            key = (r[0], r[1], r[2])
-            sid = known.get(key) or new.get(key)
-            if sid is None:
-                row = await self._db.fetchone(SOURCE_ID_SQL, key)
-                sid = new[key] = int(row[0])
-            out.append((sid, r[3], r[4], r[5], r[6]))
-        return out, new
-
-    async def _count_drop(self, reason: str, n: int) -> None:
-        """Add `n` to the persistent drop counter (inside the caller's transaction)."""
-        await self._conn.execute(COUNT_DROP_SQL, (reason, n))
+    def reconfigure(self, settings: BufferSettings) -> None:
+        """New bounds, TTL and dead-letter limits (a reload)."""
+        self._settings = settings

@@ -10,8 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import Device, DeviceBounds, water_fill
-from .schema import ROW_OVERHEAD, accounted_bytes
+from ..config import BufferSettings
+from ..metrics import Metrics
+from .base import Backlog, Part
+from .db import Database
+from .devices import Device, Devices, water_fill
+from .schema import COUNT_DROP_SQL, ROW_OVERHEAD, accounted_bytes
+from .sources import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +40,25 @@ class _Fit:
     over_bytes: int
 
 
-class Bounds(DeviceBounds):
-    def _fit(self, rows: list[tuple[Any, ...]], add_bytes: int) -> _Fit:
+class Bounds(Part):
+    """The bounds' policy over the backlog and the devices (no state)."""
+
+    def __init__(
+        self,
+        db: Database,
+        settings: BufferSettings,
+        metrics: Metrics,
+        *,
+        backlog: Backlog,
+        devices: Devices,
+        catalog: Catalog,
+    ) -> None:
+        super().__init__(db, settings, metrics)
+        self._backlog = backlog
+        self._devices = devices
+        self._catalog = catalog
+
+    def fit(self, rows: list[tuple[Any, ...]], add_bytes: int) -> _Fit:
         s = self._settings
         rejected = trimmed = 0
         if s.overflow == "drop_oldest":
@@ -45,17 +67,20 @@ class Bounds(DeviceBounds):
                 row = rows.pop(0)
                 add_bytes -= accounted_bytes(len(row[6]), row[2])
                 trimmed += 1
-        over_records = self.records + len(rows) - s.max_records
-        over_bytes = self.bytes + add_bytes - s.max_bytes
+        over_records = self._backlog.records + len(rows) - s.max_records
+        over_bytes = self._backlog.bytes + add_bytes - s.max_bytes
         if (over_records > 0 or over_bytes > 0) and s.overflow == "reject_new":
             # keep the oldest; refuse the newest rows that do not fit
-            while rows and (self.records + len(rows) > s.max_records or self.bytes + add_bytes > s.max_bytes):
+            while rows and (
+                self._backlog.records + len(rows) > s.max_records
+                or self._backlog.bytes + add_bytes > s.max_bytes
+            ):
                 row = rows.pop()
                 add_bytes -= accounted_bytes(len(row[6]), row[2])
                 rejected += 1
         return _Fit(rows, add_bytes, trimmed, rejected, over_records, over_bytes)
 
-    async def _make_room(self, fit: _Fit) -> tuple[int, int]:
+    async def make_room(self, fit: _Fit) -> tuple[int, int]:
         """Inside the insert's transaction: drop what the policy asks for and
         count the drops.  Returns (records, bytes) freed in the table; rows
         of the group itself that go are removed from `fit` (`trimmed`)."""
@@ -78,7 +103,7 @@ class Bounds(DeviceBounds):
         for r in fit.rows:
             group_r[r[1]] = group_r.get(r[1], 0) + 1
             group_b[r[1]] = group_b.get(r[1], 0) + accounted_bytes(len(r[6]), r[2])
-        devices = self._devices
+        devices = self._devices.by_key
         freed_r = freed_b = 0
         if fit.over_records > 0:
             shares = {k: d.records for k, d in devices.items() if d.records}
@@ -92,7 +117,7 @@ class Bounds(DeviceBounds):
                     freed_r, freed_b = freed_r + got_r, freed_b + got_b
                 if quota > in_table:
                     self._trim_group(fit, key, records=quota - in_table, nbytes=0)
-        over_bytes = self.bytes - freed_b + fit.add_bytes - self._settings.max_bytes
+        over_bytes = self._backlog.bytes - freed_b + fit.add_bytes - self._settings.max_bytes
         if over_bytes > 0:
             shares = {k: d.bytes for k, d in devices.items() if d.bytes}
             for r in fit.rows:
@@ -129,8 +154,8 @@ class Bounds(DeviceBounds):
         """Delete the oldest rows of device `d` (all its sources, merged in
         seq order) until `records` rows and `nbytes` accounted bytes are
         freed, no more (inside the caller's transaction)."""
-        sids = [sid for sid in d.sids if self._src_rows.get(sid)]
-        names = self._source_names
+        sids = [sid for sid in d.sids if self._devices.src_rows.get(sid)]
+        names = self._catalog.source_names
         freed_r = freed_b = 0
         after = 0
         while sids and (freed_r < records or freed_b < nbytes):
@@ -154,7 +179,7 @@ class Bounds(DeviceBounds):
                 freed_b += acc
                 last[sid] = seq
                 after = seq
-                self._row_gone(sid, acc)
+                self._devices.row_gone(sid, acc)
                 if freed_r >= records and freed_b >= nbytes:
                     break
             await self._conn.executemany(
@@ -162,15 +187,15 @@ class Bounds(DeviceBounds):
             )
         return freed_r, freed_b
 
-    def _report_drops(self, fit: _Fit, freed_records: int) -> None:
+    def report_drops(self, fit: _Fit, freed_records: int) -> None:
         """After the commit: metrics and rate-limited log lines."""
         if freed_records + fit.trimmed:
             self._metrics.dropped.labels("buffer_full_oldest").inc(freed_records + fit.trimmed)
             self._limited.warning(
                 "drop_oldest",
                 "outbox full (%d records, %d bytes): dropped the %d oldest records (policy drop_oldest)",
-                self.records,
-                self.bytes,
+                self._backlog.records,
+                self._backlog.bytes,
                 freed_records + fit.trimmed,
             )
         if fit.rejected:
@@ -178,15 +203,15 @@ class Bounds(DeviceBounds):
             self._limited.warning(
                 "reject_new",
                 "outbox full (%d records, %d bytes): rejected %d new records (policy reject_new)",
-                self.records,
-                self.bytes,
+                self._backlog.records,
+                self._backlog.bytes,
                 fit.rejected,
             )
 
     async def expire(self, now_us: int | None = None) -> int:
         """Delete records older than ttl_s (oldest first); counted as dropped."""
         ttl = self._settings.ttl_s
-        if not ttl or not self.records:
+        if not ttl or not self._backlog.records:
             return 0
         cutoff = (now_us or time.time_ns() // 1000) - ttl * 1_000_000
         total = 0
@@ -196,14 +221,14 @@ class Bounds(DeviceBounds):
             if not sizes:
                 break
             total += len(sizes)
-            self.records -= len(sizes)
-            self.bytes -= sum(int(x[0]) for x in sizes) + ROW_OVERHEAD * len(sizes)
+            self._backlog.records -= len(sizes)
+            self._backlog.bytes -= sum(int(x[0]) for x in sizes) + ROW_OVERHEAD * len(sizes)
             for size, sid in sizes:
-                self._row_gone(int(sid), int(size) + ROW_OVERHEAD)
+                self._devices.row_gone(int(sid), int(size) + ROW_OVERHEAD)
         if total:
             self._metrics.dropped.labels("ttl_expired").inc(total)
             log.warning("expired %d outbox records older than ttl_s=%d", total, ttl)
-        self._update_gauges()
+        self._backlog.update_gauges()
         return total
 
     async def _expire_chunk(self, cutoff: int) -> list[Any]:
@@ -218,3 +243,7 @@ class Bounds(DeviceBounds):
         if sizes:
             await self._count_drop("ttl_expired", len(sizes))
         return sizes
+
+    async def _count_drop(self, reason: str, n: int) -> None:
+        """Add `n` to the persistent drop counter (inside the caller's transaction)."""
+        await self._conn.execute(COUNT_DROP_SQL, (reason, n))

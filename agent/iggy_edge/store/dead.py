@@ -31,10 +31,14 @@ import hashlib
 import logging
 import sqlite3
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-from .base import OutboxBase, _DeadGroup
-from .db import StoreError
+from ..config import BufferSettings
+from ..metrics import Metrics
+from .base import Handover, Part
+from .db import Database, StoreError
 from .schema import ROW_OVERHEAD
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,27 @@ DEAD_GROUP_MAX_BYTES: Final = 4 * 1024 * 1024
 OVERSIZE_KEPT_BYTES: Final = 1024  # of an oversize payload, the prefix a dead letter keeps
 
 
-class DeadLetters(OutboxBase):
+@dataclass
+class _DeadGroup:
+    """Dead letters committed together."""
+
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    nbytes: int = 0
+    done: asyncio.Future[None] | None = None
+
+
+class DeadLetters(Part):
+    """The dead letters: the groups waiting for their commit, and the count
+    and accounted bytes of those in the table.  Committed by the committer
+    task (commit.py calls `commit_groups`), or here when none runs."""
+
+    def __init__(self, db: Database, settings: BufferSettings, metrics: Metrics, handover: Handover) -> None:
+        super().__init__(db, settings, metrics)
+        self._handover = handover
+        self.groups: deque[_DeadGroup] = deque()
+        self.dead_count = 0
+        self.dead_bytes = 0
+
     def enqueue_dead_letter(
         self,
         *,
@@ -60,11 +84,6 @@ class DeadLetters(OutboxBase):
         (synchronous) and return that commit's future.  See the module
         docstring."""
         loop = asyncio.get_running_loop()
-        if self._failure is not None:
-            fut: asyncio.Future[None] = loop.create_future()
-            fut.set_exception(self._failure)
-            fut.exception()
-            return fut
         topic_b = mqtt_topic.encode() if isinstance(mqtt_topic, str) else mqtt_topic
         kept = payload[: self._settings.max_payload_bytes]
         if reason == "oversize" and len(payload) > OVERSIZE_KEPT_BYTES:
@@ -83,15 +102,15 @@ class DeadLetters(OutboxBase):
             kept,
             len(payload),
         )
-        groups = self._dead_groups
+        groups = self.groups
         if not groups or len(groups[-1].rows) >= DEAD_GROUP_MAX or groups[-1].nbytes >= DEAD_GROUP_MAX_BYTES:
             groups.append(_DeadGroup(done=loop.create_future()))
         group = groups[-1]
         group.rows.append(row)
         size = len(kept) + len(topic_b[:1024])
         group.nbytes += size
-        self._pending_bytes += size
-        self._wakeup.set()
+        self._handover.pending_bytes += size
+        self._handover.wakeup.set()
         assert group.done is not None
         return group.done
 
@@ -117,19 +136,14 @@ class DeadLetters(OutboxBase):
             detail=detail,
             received_us=received_us,
         )
-        if not self._committer_running():
-            await self._commit_dead_groups()  # no committer task (not started): write it here
+        if not self._handover.committer_running():
+            await self.commit_groups()  # no committer task (not started): write it here
         await fut
 
-    @property
-    def pending_bytes(self) -> int:
-        """Payload bytes of records and dead letters waiting for their commit."""
-        return self._pending_bytes
-
-    async def _commit_dead_groups(self) -> None:
+    async def commit_groups(self) -> None:
         """Commit every closed or open dead-letter group, oldest first."""
-        while self._dead_groups:
-            group = self._dead_groups.popleft()
+        while self.groups:
+            group = self.groups.popleft()
             await self._commit_dead_group(group)
 
     async def _trim_dead(self, count: int, nbytes: int) -> tuple[int, int]:
@@ -172,12 +186,12 @@ class DeadLetters(OutboxBase):
         except (sqlite3.Error, OSError) as e:
             self._metrics.store_errors.inc()
             log.error("dead-letter commit of %d letters failed: %s", len(group.rows), e)
-            self._release(group.nbytes)
+            self._handover.release(group.nbytes)
             if group.done is not None and not group.done.done():
                 group.done.set_exception(StoreError(f"dead letter not stored: {e}"))
                 group.done.exception()  # mark retrieved: each waiter re-raises it
             return
-        self._release(group.nbytes)
+        self._handover.release(group.nbytes)
         self.dead_count, self.dead_bytes = count, nbytes
         self._metrics.dead_letter_bytes.set(nbytes)
         by_reason: dict[str, list[tuple[Any, ...]]] = {}

@@ -36,10 +36,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import BufferSettings
+from ..metrics import Metrics
 from ..records import Route
 from ..routing import DeadLetterReason, Rejected
-from .base import OutboxBase
-from .sources import ORPHANS_SQL
+from .base import Part
+from .db import Database
+from .schema import ROW_OVERHEAD
+from .sources import ORPHANS_SQL, Catalog
 
 
 @dataclass(slots=True)
@@ -74,16 +78,27 @@ def water_fill(values: dict[str, int], need: int) -> dict[str, int]:
     return {key: v for v, key in items}
 
 
-class DeviceBounds(OutboxBase):
+class Devices(Part):
+    """The per-device state: device -> its state, source id -> its rows,
+    sources forgotten and not yet deleted from the table."""
+
+    def __init__(self, db: Database, settings: BufferSettings, metrics: Metrics, catalog: Catalog) -> None:
+        super().__init__(db, settings, metrics)
+        self._catalog = catalog
+        self.by_key: dict[str, Device] = {}
+        self.src_rows: dict[int, int] = {}
+        self.doomed: set[int] = set()
+        self.idle_maybe = False
+
     # -- at submit (synchronous, ingest's hot path) -------------------------
 
     def admit(self, route: Route, mqtt_topic: str) -> Rejected | None:
         """May a record of `route` on `mqtt_topic` join the buffer?  None, or
         why not (a dead letter).  Call it right before `submit`."""
-        d = self._devices.get(route.key)
+        d = self.by_key.get(route.key)
         s = self._settings
         if d is None:
-            if len(self._devices) >= s.max_devices and not self._forget_idle_devices():
+            if len(self.by_key) >= s.max_devices and not self.forget_idle_devices():
                 return Rejected(
                     DeadLetterReason.TOO_MANY_DEVICES,
                     f"the buffer already tracks buffer.max_devices = {s.max_devices} devices",
@@ -101,18 +116,18 @@ class DeviceBounds(OutboxBase):
 
     def backlog_by_device(self) -> dict[str, tuple[int, int]]:
         """Committed records and their accounted bytes, per device holding any."""
-        return {k: (d.records, d.bytes) for k, d in self._devices.items() if d.records}
+        return {k: (d.records, d.bytes) for k, d in self.by_key.items() if d.records}
 
-    def _reserve(self, key: str, mqtt_topic: str) -> None:
-        d = self._devices.get(key)
+    def reserve(self, key: str, mqtt_topic: str) -> None:
+        d = self.by_key.get(key)
         if d is None:
-            d = self._devices[key] = Device()
+            d = self.by_key[key] = Device()
         d.pending += 1
         d.topics[mqtt_topic] = d.topics.get(mqtt_topic, 0) + 1
 
-    def _settle(self, keys_topics: Iterable[tuple[str, str]]) -> None:
+    def settle(self, keys_topics: Iterable[tuple[str, str]]) -> None:
         """The commit of these submitted records is over (either way)."""
-        devices = self._devices
+        devices = self.by_key
         for key, topic in keys_topics:
             d = devices[key]
             d.pending -= 1
@@ -122,113 +137,110 @@ class DeviceBounds(OutboxBase):
             else:
                 del d.topics[topic]
             if not d.pending and d.orphans == len(d.sids):
-                self._idle_maybe = True
+                self.idle_maybe = True
         self._metrics.devices_tracked.set(len(devices))
 
     # -- accounting (after a commit, per row) -------------------------------
 
-    def _register_source(self, sid: int, key: tuple[int, str, str]) -> None:
-        self._source_ids[key] = sid
-        stream, topic = self._route_names[key[0]]
-        self._source_names[sid] = (stream, topic, key[1], key[2])
-        self._doomed.discard(sid)
-        d = self._devices.get(key[1])
+    def register_source(self, sid: int, key: tuple[int, str, str]) -> None:
+        self._catalog.add(sid, key)
+        self.doomed.discard(sid)
+        d = self.by_key.get(key[1])
         if d is None:
-            d = self._devices[key[1]] = Device()
+            d = self.by_key[key[1]] = Device()
         d.sids.add(sid)
         d.topics[key[2]] = d.topics.get(key[2], 0) + 1
-        self._src_rows[sid] = 0
+        self.src_rows[sid] = 0
         d.orphans += 1
 
-    def _rows_added(self, rows: list[tuple[Any, ...]], sids: list[int]) -> None:
+    def rows_added(self, rows: list[tuple[Any, ...]], sids: list[int]) -> None:
         """Rows (route_id, pkey, mqtt_topic, ..., payload) committed with these source ids."""
-        src_rows = self._src_rows
-        devices = self._devices
+        src_rows = self.src_rows
+        devices = self.by_key
         for r, sid in zip(rows, sids, strict=True):
             n = src_rows.get(sid)
             if n is None:  # forgotten while its commit was under way: it has a row now
-                self._register_source(sid, (r[0], r[1], r[2]))
+                self.register_source(sid, (r[0], r[1], r[2]))
                 n = 0
             d = devices[r[1]]
             if not n:
                 d.orphans -= 1
             src_rows[sid] = n + 1
             d.records += 1
-            d.bytes += len(r[6]) + len(r[2]) + self._row_overhead
+            d.bytes += len(r[6]) + len(r[2]) + ROW_OVERHEAD
 
-    def _row_gone(self, sid: int, size: int) -> None:
+    def row_gone(self, sid: int, size: int) -> None:
         """A row of `sid` with `size` accounted bytes was deleted."""
-        n = self._src_rows.get(sid)
+        n = self.src_rows.get(sid)
         if n is None:
             return
-        d = self._devices[self._source_names[sid][2]]
+        d = self.by_key[self._catalog.source_names[sid][2]]
         d.records -= 1
         d.bytes -= size
-        self._src_rows[sid] = n - 1
+        self.src_rows[sid] = n - 1
         if n == 1:
             d.orphans += 1
             if d.orphans == len(d.sids) and not d.pending:
-                self._idle_maybe = True
+                self.idle_maybe = True
 
     # -- forgetting ----------------------------------------------------------
 
     def _forget_orphans(self, d: Device) -> bool:
         """Forget the sources of `d` without rows (deleted from the table at
         the next commit).  True when any was forgotten."""
-        gone = [sid for sid in d.sids if not self._src_rows[sid]]
+        gone = [sid for sid in d.sids if not self.src_rows[sid]]
         for sid in gone:
-            stream, itopic, key, topic = self._source_names.pop(sid)
-            self._source_ids.pop((self._route_ids[(stream, itopic)], key, topic), None)
+            _stream, _itopic, _key, topic = self._catalog.forget(sid)
             d.sids.discard(sid)
-            del self._src_rows[sid]
+            del self.src_rows[sid]
             left = d.topics[topic] - 1
             if left:
                 d.topics[topic] = left
             else:
                 del d.topics[topic]
-            self._doomed.add(sid)
+            self.doomed.add(sid)
         d.orphans = 0
         return bool(gone)
 
-    def _forget_idle_devices(self) -> bool:
+    def forget_idle_devices(self) -> bool:
         """Forget the devices with nothing in the buffer; True when any was.
         A scan of the devices, only when one may have become idle since the
         last scan (so a flood of new device levels costs O(1) a message)."""
-        if not self._idle_maybe:
+        if not self.idle_maybe:
             return False
-        self._idle_maybe = False
-        idle = [k for k, d in self._devices.items() if not d.pending and d.orphans == len(d.sids)]
+        self.idle_maybe = False
+        idle = [k for k, d in self.by_key.items() if not d.pending and d.orphans == len(d.sids)]
         for k in idle:
-            self._forget_orphans(self._devices.pop(k))
-        self._metrics.devices_tracked.set(len(self._devices))
+            self._forget_orphans(self.by_key.pop(k))
+        self._metrics.devices_tracked.set(len(self.by_key))
         return bool(idle)
 
-    async def _delete_doomed(self) -> None:
+    async def delete_doomed(self) -> None:
         """Inside a write transaction: delete the forgotten sources (a
         source that got a row meanwhile stays)."""
-        if not self._doomed:
+        if not self.doomed:
             return
         await self._conn.executemany(
             "DELETE FROM sources WHERE id = ? AND NOT EXISTS (SELECT 1 FROM outbox WHERE source_id = ?)",
-            [(sid, sid) for sid in self._doomed],
+            [(sid, sid) for sid in self.doomed],
         )
 
-    async def _load_devices(self) -> None:
+    async def load(self) -> None:
         """At open: delete orphaned sources, then account every device's rows."""
         await self._conn.execute(ORPHANS_SQL)
         rows = await self._db.fetchall("SELECT id, route_id, pkey, mqtt_topic FROM sources")
         for sid, rid, k, t in rows:
-            self._register_source(int(sid), (int(rid), str(k), str(t)))
+            self.register_source(int(sid), (int(rid), str(k), str(t)))
         counts = await self._db.fetchall(
             "SELECT source_id, count(*), sum(length(payload)) FROM outbox GROUP BY source_id"
         )
         for sid, n, nbytes in counts:
-            names = self._source_names.get(int(sid))
+            names = self._catalog.source_names.get(int(sid))
             if names is None:
                 continue
-            d = self._devices[names[2]]
+            d = self.by_key[names[2]]
             d.records += int(n)
-            d.bytes += int(nbytes) + (len(names[3]) + self._row_overhead) * int(n)
-            self._src_rows[int(sid)] = int(n)
+            d.bytes += int(nbytes) + (len(names[3]) + ROW_OVERHEAD) * int(n)
+            self.src_rows[int(sid)] = int(n)
             d.orphans -= 1
-        self._metrics.devices_tracked.set(len(self._devices))
+        self._metrics.devices_tracked.set(len(self.by_key))

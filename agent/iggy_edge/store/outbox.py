@@ -1,5 +1,6 @@
-"""The outbox put together: life cycle (open, load, start, close) over the
-jobs in commit.py, reader.py, bounds.py and dead.py."""
+"""The outbox put together: its parts (see base.py for who owns what) and
+their life cycle (open, load, start, close); the methods the stages call
+forward to the part that does the job."""
 
 from __future__ import annotations
 
@@ -7,69 +8,88 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import aiosqlite
 
 from ..config import BufferSettings
 from ..metrics import Metrics
+from ..records import OutboundRecord, Route
+from ..routing import Rejected
 from ..timeouts import wait_for
-from .base import recent_key
-from .commit import GroupCommit, _Group
+from .base import Backlog, Handover
+from .bounds import Bounds
+from .commit import GroupCommit
 from .db import Database, StoreError
-from .reader import ReadConfirm
-from .recovery import Event, StoreUnavailable, as_store_error, events_from_json
-from .schema import (
-    DEAD_TOTALS_SQL,
-    OUTBOX_LOAD_SQL,
-    RECENT_WINDOW,
-    ROW_OVERHEAD,
-    open_database,
-    recover,
-    reopen,
-)
+from .dead import DeadLetters
+from .devices import Devices
+from .reader import Reader
+from .recovery import Event, StoreUnavailable, events_from_json, open_loaded
+from .schema import DEAD_TOTALS_SQL, OUTBOX_LOAD_SQL, ROW_OVERHEAD
+from .sources import Catalog
 
 log = logging.getLogger(__name__)
 
 
-class Outbox(GroupCommit, ReadConfirm):
+class Outbox:
     """Durable, bounded outbox with group commit.  See the package docstring."""
 
     def __init__(self, db: Database, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> None:
-        super().__init__(db, settings, gateway_id, metrics)
-        self._pending = _Group()
+        self._db = db
+        self._conn = db.conn
+        self._lock = db.lock
+        self._metrics = metrics
+        self.catalog = Catalog()
+        self.backlog = Backlog(metrics)
+        self.handover = Handover()
+        self.devices = Devices(db, settings, metrics, self.catalog)
+        self.bounds = Bounds(
+            db, settings, metrics, backlog=self.backlog, devices=self.devices, catalog=self.catalog
+        )
+        self.dead = DeadLetters(db, settings, metrics, self.handover)
+        self.commit = GroupCommit(
+            db,
+            settings,
+            metrics,
+            handover=self.handover,
+            backlog=self.backlog,
+            catalog=self.catalog,
+            devices=self.devices,
+            bounds=self.bounds,
+            dead=self.dead,
+        )
+        self.reader = Reader(
+            db,
+            settings,
+            metrics,
+            gateway_id=gateway_id,
+            handover=self.handover,
+            backlog=self.backlog,
+            catalog=self.catalog,
+            devices=self.devices,
+        )
+        self._parts = (self.devices, self.bounds, self.dead, self.commit, self.reader)
+        # ingest's hot path: the parts' own methods, no forwarding call
+        self.submit = self.commit.submit
+        self.seen = self.commit.seen
+        self.copy_of = self.commit.copy_of
+        self.admit: Callable[[Route, str], Rejected | None] = self.devices.admit
+        self.enqueue_dead_letter = self.dead.enqueue_dead_letter
         self.recovery: list[Event] = []
 
     # -- life cycle -------------------------------------------------------
 
     @classmethod
     async def open(cls, path: Path, settings: BufferSettings, gateway_id: str, metrics: Metrics) -> Outbox:
-        """Open and load the buffer.  Every database error, at open or at
-        load, takes the same path (recovery.py): a confirmed corruption is
-        salvaged into a fresh file, anything else leaves the file in place
-        and raises `StoreError` (`StoreUnavailable` when the disk failed),
-        with the connection closed (no aiosqlite thread left behind)."""
-        db = await open_database(path, metrics)
-        recovered = False
-        while True:
+        """Open and load the buffer (`recovery.open_loaded`: a confirmed
+        corruption is salvaged into a fresh file; anything else raises
+        `StoreError`, `StoreUnavailable` when the disk failed)."""
+
+        async def load(db: Database) -> Outbox:
             box = cls(db, settings, gateway_id, metrics)
-            try:
-                await box._load()
-            except (sqlite3.Error, OSError) as e:
-                await db.close()
-                metrics.store_errors.inc()
-                events: list[Event] = []
-                if recovered or not await recover(path, e, metrics, events):
-                    raise as_store_error(path, e) from e
-                db = await reopen(path, metrics, events, recovered=True)
-                recovered = True
-                continue
-            except BaseException:
-                await db.close()
-                raise
+            await box._load()
             return box
+
+        return await open_loaded(path, metrics, load)
 
     @classmethod
     async def open_when_possible(
@@ -118,39 +138,24 @@ class Outbox(GroupCommit, ReadConfirm):
         if epoch is None:
             epoch = str(secrets.randbits(32))
             await self._conn.execute("INSERT INTO meta(key, value) VALUES ('epoch', ?)", (epoch,))
-        self._epoch = int(epoch)
+        self.reader.epoch = int(epoch)
         for rid, stream, topic in await self._db.fetchall("SELECT id, stream, topic FROM routes"):
-            self._route_ids[(stream, topic)] = rid
-            self._route_names[rid] = (stream, topic)
-        await self._load_devices()
+            self.catalog.add_route(rid, stream, topic)
+        await self.devices.load()
         dead = await self._db.fetchone(DEAD_TOTALS_SQL)
-        self.dead_count, self.dead_bytes = int(dead[0]), int(dead[1]) + ROW_OVERHEAD * int(dead[0])
+        self.dead.dead_count, self.dead.dead_bytes = int(dead[0]), int(dead[1]) + ROW_OVERHEAD * int(dead[0])
         row = await self._db.fetchone(OUTBOX_LOAD_SQL)
         assert row is not None
-        self.records = int(row[0])
-        self.bytes = int(row[1]) + ROW_OVERHEAD * self.records
-        self.payload_high = int(row[2])
-        # In chunks, oldest first: a list of the whole window's rows (3.8 MB at
-        # 20k) on top of the window itself raised the RSS of an agent
-        # restarted with a backlog for the rest of its life.
-        n = 0
-        async with (
-            self._db.lock,
-            self._conn.execute(
-                "SELECT mqtt_topic, device_seq, crc FROM (SELECT seq, mqtt_topic, device_seq, crc"
-                " FROM ingest_recent ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                (RECENT_WINDOW,),
-            ) as cur,
-        ):
-            while rows := await cur.fetchmany(1000):
-                for topic, dseq, crc in rows:
-                    self._recent[recent_key(topic, dseq, crc)] = None
-                    n += 1
-        self._recent_count = n
+        backlog = self.backlog
+        backlog.records = int(row[0])
+        backlog.bytes = int(row[1]) + ROW_OVERHEAD * backlog.records
+        backlog.payload_high = int(row[2])
+        await self.commit.load_recent()
         self.recovery = await self._recovery_events()
-        self._update_gauges()
-        if self.records:
-            self._data_available.set()
+        backlog.update_gauges()
+        self._metrics.dead_letter_bytes.set(self.dead.dead_bytes)
+        if backlog.records:
+            backlog.data_available.set()
 
     async def _recovery_events(self) -> list[Event]:
         return events_from_json(await self._meta("recovery"))
@@ -159,7 +164,8 @@ class Outbox(GroupCommit, ReadConfirm):
         """New bounds, TTL and dead-letter limits (a reload, reload.py): the
         next commit enforces them; the file, its synchronous level and the
         commit cadence need a restart and are not in a reload's changes."""
-        self._settings = settings
+        for part in self._parts:
+            part.reconfigure(settings)
 
     @property
     def attention(self) -> str:
@@ -180,42 +186,77 @@ class Outbox(GroupCommit, ReadConfirm):
         return "; ".join(parts)
 
     async def refresh_age_gauge(self) -> None:
-        await super().refresh_age_gauge()
+        await self.reader.refresh_age_gauge()
         async with self._lock:
             self.recovery = await self._recovery_events()  # an operator may have acknowledged
 
     def start(self) -> None:
-        self._committer = asyncio.create_task(self._commit_loop(), name="outbox-commit")
+        self.handover.committer = asyncio.create_task(self.commit.commit_loop(), name="outbox-commit")
 
     async def close(self) -> None:
         """Commit what is pending, stop the committer and close the file."""
-        self._closed = True
-        self._wakeup.set()
-        if self._committer is not None:
+        self.handover.closed = True
+        self.handover.wakeup.set()
+        if self.handover.committer is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._committer
+                await self.handover.committer
         await self._db.close(checkpoint=True)
 
-    @property
-    def connection(self) -> aiosqlite.Connection:
-        return self._conn
+    # -- what the stages call, forwarded to the part that does it ---------------
 
     @property
-    def database(self) -> Database:
-        return self._db
+    def pending_count(self) -> int:
+        return self.commit.pending_count
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
+    def pending_bytes(self) -> int:
+        """Payload bytes of records and dead letters waiting for their commit."""
+        return self.handover.pending_bytes
 
-    def seen(self, mqtt_topic: str, device_seq: int, crc: int) -> bool:
-        """Was a record with this topic, device sequence and payload CRC
-        committed recently?  (Used for broker redeliveries only.)"""
-        return recent_key(mqtt_topic, device_seq, crc) in self._recent
+    async def wait_pending_below(self, limit: int, *, max_bytes: int | None = None) -> None:
+        await self.commit.wait_pending_below(limit, max_bytes=max_bytes)
 
-    def fail(self, err: StoreError) -> None:
-        """Refuse further submissions (used when the disk is gone)."""
-        self._failure = err
+    async def dead_letter(
+        self,
+        *,
+        mqtt_topic: str | bytes,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        reason: str,
+        detail: str,
+        received_us: int | None = None,
+    ) -> None:
+        await self.dead.dead_letter(
+            mqtt_topic=mqtt_topic,
+            payload=payload,
+            qos=qos,
+            retain=retain,
+            reason=reason,
+            detail=detail,
+            received_us=received_us,
+        )
+
+    def backlog_by_device(self) -> dict[str, tuple[int, int]]:
+        return self.devices.backlog_by_device()
+
+    async def expire(self, now_us: int | None = None) -> int:
+        return await self.bounds.expire(now_us)
+
+    async def wait_for_data(self, timeout: float | None = None) -> bool:
+        return await self.reader.wait_for_data(timeout)
+
+    async def wait_for_more(self, timeout: float | None = None) -> bool:
+        return await self.reader.wait_for_more(timeout)
+
+    async def read_batch(self, max_records: int, max_bytes: int, after: int = 0) -> list[OutboundRecord]:
+        return await self.reader.read_batch(max_records, max_bytes, after)
+
+    async def confirm(self, batch: Sequence[OutboundRecord], confirmed: frozenset[int] | None = None) -> int:
+        return await self.reader.confirm(batch, confirmed)
+
+    async def oldest_received_us(self) -> int | None:
+        return await self.reader.oldest_received_us()
 
     async def get_meta(self, key: str) -> str | None:
         """A value of the meta table (ingest keeps its session flag there)."""
@@ -233,3 +274,29 @@ class Outbox(GroupCommit, ReadConfirm):
     async def _meta(self, key: str) -> str | None:
         row = await self._db.fetchone("SELECT value FROM meta WHERE key = ?", (key,))
         return None if row is None else str(row[0])
+
+    # (last: a property named `bytes` shadows the type in the annotations after it)
+
+    @property
+    def records(self) -> int:
+        return self.backlog.records
+
+    @property
+    def bytes(self) -> int:
+        return self.backlog.bytes
+
+    @property
+    def payload_high(self) -> int:
+        return self.backlog.payload_high
+
+    @property
+    def dead_count(self) -> int:
+        return self.dead.dead_count
+
+    @property
+    def dead_bytes(self) -> int:
+        return self.dead.dead_bytes
+
+    @property
+    def epoch(self) -> int:
+        return self.reader.epoch

@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+from ..config import BufferSettings
+from ..metrics import Metrics
 from ..records import (
     HEADER_DEVICE_SEQ,
     HEADER_GATEWAY,
@@ -15,10 +17,14 @@ from ..records import (
     HEADER_RECEIVED_US,
     HEADER_RETAIN,
     OutboundRecord,
+    gateway_hash32,
 )
 from ..timeouts import wait_for
-from .devices import DeviceBounds
+from .base import Backlog, Handover, Part
+from .db import Database
+from .devices import Devices
 from .schema import ROW_OVERHEAD
+from .sources import Catalog
 
 _QOS: Final = ("0", "1", "2", "3")
 
@@ -70,13 +76,37 @@ def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-class ReadConfirm(DeviceBounds):
+class Reader(Part):
+    """The forwarder's side; owns the epoch of the message ids (the outbox
+    sets it when it loads the file)."""
+
+    def __init__(
+        self,
+        db: Database,
+        settings: BufferSettings,
+        metrics: Metrics,
+        *,
+        gateway_id: str,
+        handover: Handover,
+        backlog: Backlog,
+        catalog: Catalog,
+        devices: Devices,
+    ) -> None:
+        super().__init__(db, settings, metrics)
+        self._gateway_id = gateway_id
+        self._gateway_hash = gateway_hash32(gateway_id)
+        self._handover = handover
+        self._backlog = backlog
+        self._catalog = catalog
+        self._devices = devices
+        self.epoch = 0
+
     async def wait_for_data(self, timeout: float | None = None) -> bool:
-        if self.records > 0:
+        if self._backlog.records > 0:
             return True
-        self._data_available.clear()
+        self._backlog.data_available.clear()
         try:
-            await wait_for(self._data_available.wait(), timeout)
+            await wait_for(self._backlog.data_available.wait(), timeout)
         except TimeoutError:
             return False
         return True
@@ -87,7 +117,7 @@ class ReadConfirm(DeviceBounds):
         reads ahead of its deletes (the forwarder) cannot use `records` to
         tell whether anything unread waits."""
         try:
-            await wait_for(self._data_available.wait(), timeout)
+            await wait_for(self._backlog.data_available.wait(), timeout)
         except TimeoutError:
             return False
         return True
@@ -95,18 +125,18 @@ class ReadConfirm(DeviceBounds):
     async def read_batch(self, max_records: int, max_bytes: int, after: int = 0) -> list[OutboundRecord]:
         """The oldest records with seq > `after`, in seq order, up to the
         limits (at least one when any waits)."""
-        self._data_available.clear()  # before the read: a commit from now on sets it again
+        self._backlog.data_available.clear()  # before the read: a commit from now on sets it again
         # `payload_high` bounds every payload in the outbox: with it, the plain
         # read cannot load more than max_bytes either.
-        if max_records * self.payload_high <= max_bytes:
+        if max_records * self._backlog.payload_high <= max_bytes:
             rows = await self._db.fetchall(_READ_BATCH_SMALL, (after, max_records))  # one round trip
         else:
             rows = await self._db.fetchall(_READ_BATCH, (after, max_records, max_bytes))
         out: list[OutboundRecord] = []
         append = out.append
-        high = (self._gateway_hash << 96) | (self._epoch << 64)
+        high = (self._gateway_hash << 96) | (self.epoch << 64)
         gw = self._gateway_id
-        names = self._source_names
+        names = self._catalog.source_names
         qos = _QOS
         for seq, sid, flags, recv, dseq, payload in rows:
             stream, itopic, pkey, topic = names[sid]
@@ -162,30 +192,30 @@ class ReadConfirm(DeviceBounds):
                     gone_rows += await self._conn.execute_fetchall(_CONFIRM_SQL, rng)
         deleted = len(gone_rows)
         if deleted:
-            names = self._source_names
-            row_gone = self._row_gone
+            names = self._catalog.source_names
+            row_gone = self._devices.row_gone
             freed = 0
             for sid, size in gone_rows:
                 acc = size + len(names[sid][3]) + ROW_OVERHEAD
                 freed += acc
                 row_gone(sid, acc)
-            self.records -= deleted
-            self.bytes -= freed
-        if self.records == 0 and self._pending_bytes == 0:
-            self.payload_high = 0  # empty: the next payloads set it again
-        if self.records == 0 and len(self._source_ids) > SOURCES_KEPT:
+            self._backlog.records -= deleted
+            self._backlog.bytes -= freed
+        if self._backlog.records == 0 and self._handover.pending_bytes == 0:
+            self._backlog.payload_high = 0  # empty: the next payloads set it again
+        if self._backlog.records == 0 and len(self._catalog.source_ids) > SOURCES_KEPT:
             await self._forget_sources()
-        self._update_gauges()
+        self._backlog.update_gauges()
         return deleted
 
     async def _forget_sources(self) -> None:
         """The outbox just emptied: forget the devices with nothing pending
         and delete their sources, so a stream of ever new MQTT topics does
         not keep its sources until a bound needs the room (lock held)."""
-        self._idle_maybe = True
-        self._forget_idle_devices()
-        await self._delete_doomed()
-        self._doomed.clear()
+        self._devices.idle_maybe = True
+        self._devices.forget_idle_devices()
+        await self._devices.delete_doomed()
+        self._devices.doomed.clear()
 
     async def oldest_received_us(self) -> int | None:
         rows = await self._db.fetchall("SELECT received_us FROM outbox ORDER BY seq LIMIT 1")

@@ -1,209 +1,23 @@
-"""What to do when the buffer file cannot be opened or read.
-
-* **Classify by SQLite's error code** (``sqlite_errorcode``, primary code in
-  the low byte), not by message: ``SQLITE_CORRUPT`` / ``SQLITE_NOTADB`` may be
-  a damaged file; ``SQLITE_FULL``, ``SQLITE_IOERR``, ``SQLITE_CANTOPEN``,
-  ``SQLITE_READONLY``, ``SQLITE_NOMEM`` and any ``OSError`` are the disk or the
-  system, not the file: the file stays where it is (`StoreUnavailable`), the
-  agent reports ``store=failed``, acknowledges nothing (the broker keeps the
-  messages) and tries again.  ``SQLITE_BUSY`` / ``SQLITE_LOCKED``: another
-  process holds the file (`StoreError` "locked").  Anything else (a schema
-  this version does not know): `StoreError`, the file stays, the agent exits
-  non-zero.
-* **Only a confirmed corruption moves a file aside**: a corruption code AND
-  ``PRAGMA integrity_check`` not "ok" on a separate connection.  The file (and
-  its -wal / -shm) is renamed ``<name>.corrupt-<time>``, a fresh buffer is
-  created and everything readable is **salvaged** into it: outbox rows by seq
-  ranges, bisected down to single rows around damaged pages, inserted with
-  their seq and the old epoch, so the message ids (gateway, epoch, seq) and
-  the order stay; the sequence continues after the old one so no id is
-  reused.  Rows whose route cannot be read become dead letters (reason
-  ``salvaged``; `buffer dead-letters replay` routes them again).
-  "Unreadable" counts the seqs inside the old outbox's range that could not
-  be read (an upper bound: a seq deleted before the damage is counted too).
-* **WAL header check** before SQLite opens the file: magic, format version,
-  page size and the header checksum (which covers the salts), per the SQLite
-  file format.  SQLite silently ignores a WAL whose header is invalid -- and
-  with it every commit not yet checkpointed -- so a damaged header is copied
-  aside (``<name>-wal.damaged-<time>``) and logged with the number of frames
-  that may be lost.
-* Every such event is kept in the meta table (key ``recovery``, a JSON list)
-  and counted in metrics; health shows it until an operator runs
-  ``iggy-edge buffer ack-salvage``.
-"""
+"""Salvage: everything readable of a damaged buffer file copied into a fresh
+one, with its ids and order (see the package docstring)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import sqlite3
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .db import StoreError, sync_transaction
-from .sources import source_id_sync
+from ..db import sync_transaction
+from ..sources import Catalog
+from .events import Event
 
 log = logging.getLogger(__name__)
 
-WAL_MAGIC: Final = (0x377F0682, 0x377F0683)
-WAL_VERSION: Final = 3007000
-WAL_HEADER: Final = 32
-WAL_FRAME_HEADER: Final = 24
 SALVAGE_CHUNK: Final = 512
 SEQ_MARGIN: Final = 1_000_000  # seqs skipped when the old sequence is unreadable
-
-CORRUPT: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
-LOCKED: Final = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
-# The disk or the system, not the file: wait and try again.
-TRANSIENT: Final = frozenset(
-    {
-        sqlite3.SQLITE_FULL,
-        sqlite3.SQLITE_IOERR,
-        sqlite3.SQLITE_CANTOPEN,
-        sqlite3.SQLITE_NOMEM,
-        sqlite3.SQLITE_READONLY,  # e.g. the kernel remounted a failing SD card read-only
-        sqlite3.SQLITE_PROTOCOL,
-        sqlite3.SQLITE_INTERRUPT,
-    }
-)
-
-
-class StoreUnavailable(StoreError):
-    """The disk or the system failed (full, I/O error, cannot open): the
-    buffer file is intact as far as we know and stays in place; try again."""
-
-
-def primary_code(e: BaseException) -> int | None:
-    code = getattr(e, "sqlite_errorcode", None)
-    return None if code is None else int(code) & 0xFF
-
-
-def is_corruption(e: BaseException) -> bool:
-    return primary_code(e) in CORRUPT
-
-
-def as_store_error(path: Path, e: BaseException) -> StoreError:
-    """The StoreError for a failure that is not a confirmed corruption."""
-    code = primary_code(e)
-    name = getattr(e, "sqlite_errorname", type(e).__name__)
-    if code in LOCKED:
-        return StoreError(f"{path}: database is locked by another process ({name})")
-    if isinstance(e, OSError) or code in TRANSIENT:
-        return StoreUnavailable(f"{path}: {e} ({name}); the file is left in place")
-    # anything else (a schema this version does not know, a misuse): retrying will not help
-    return StoreError(f"{path}: {e} ({name}); the file is left in place")
-
-
-def integrity_problem(path: Path) -> str | None:
-    """None when `PRAGMA integrity_check` says ok; otherwise what it said (or
-    the corruption error it raised).  Raises the error when it is not a
-    corruption (a full or failing disk says nothing about the file)."""
-    try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        try:
-            rows = conn.execute("PRAGMA integrity_check(20)").fetchall()
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as e:
-        if is_corruption(e):
-            return str(e)
-        raise
-    lines = [str(r[0]) for r in rows]
-    return None if lines == ["ok"] else "; ".join(lines)
-
-
-# -- WAL header ------------------------------------------------------------------
-
-
-def wal_checksum(data: bytes, big_endian: bool, s0: int = 0, s1: int = 0) -> tuple[int, int]:
-    """SQLite's WAL checksum over `data` (a multiple of 8 bytes)."""
-    words = struct.unpack((">" if big_endian else "<") + f"{len(data) // 4}I", data)
-    for i in range(0, len(words), 2):
-        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
-        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
-    return s0, s1
-
-
-def wal_header_problem(header: bytes) -> str | None:
-    """None for a valid WAL header, else what is wrong with it."""
-    if len(header) < WAL_HEADER:
-        return f"header is {len(header)} bytes, not {WAL_HEADER}"
-    magic, version, page_size, _ckpt, _salt1, _salt2, c1, c2 = struct.unpack(">8I", header[:WAL_HEADER])
-    if magic not in WAL_MAGIC:
-        return f"bad magic 0x{magic:08x}"
-    if version != WAL_VERSION:
-        return f"unknown format version {version}"
-    if page_size < 512 or page_size > 65536 or page_size & (page_size - 1):
-        return f"bad page size {page_size}"
-    if wal_checksum(header[:24], bool(magic & 1)) != (c1, c2):
-        return "header checksum does not match (magic, salts or checksum damaged)"
-    return None
-
-
-def db_page_size(path: Path) -> int:
-    """Page size from the database header (offset 16, big-endian; 1 = 65536)."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(18)
-    except OSError:
-        return 4096
-    if len(head) < 18:
-        return 4096
-    size = int.from_bytes(head[16:18], "big")
-    return 65536 if size == 1 else size if size >= 512 else 4096
-
-
-@dataclass
-class Event:
-    """A recovery event, kept in meta until an operator acknowledges it."""
-
-    kind: str  # "salvaged" | "wal_damaged"
-    at: float
-    detail: str
-    aside: str = ""  # the moved or copied file
-    salvaged: int = 0
-    unreadable: int = 0
-    dead_letters: int = 0
-    frames_lost: int = 0
-    acknowledged: bool = False
-
-
-def check_wal(path: Path, *, now: float | None = None) -> Event | None:
-    """Copy a -wal with a damaged header aside before SQLite discards it."""
-    wal = path.with_name(path.name + "-wal")
-    try:
-        size = wal.stat().st_size
-        if size < WAL_HEADER:
-            return None  # empty (after a checkpoint) or never written: nothing to lose
-        with wal.open("rb") as f:
-            header = f.read(WAL_HEADER)
-    except FileNotFoundError:
-        return None
-    problem = wal_header_problem(header)
-    if problem is None:
-        return None
-    now = time.time() if now is None else now
-    copy = wal.with_name(f"{wal.name}.damaged-{int(now)}")
-    shutil.copy2(wal, copy)
-    frames = (size - WAL_HEADER) // (WAL_FRAME_HEADER + db_page_size(path))
-    log.error(
-        "buffer WAL %s is damaged (%s): SQLite will ignore it, so up to %d frames (%d bytes) of the most "
-        "recent commits may be MISSING from the buffer; a copy is kept at %s",
-        wal,
-        problem,
-        frames,
-        size,
-        copy,
-    )
-    return Event("wal_damaged", now, problem, aside=str(copy), frames_lost=frames)
-
-
-# -- salvage ---------------------------------------------------------------------
 
 
 def move_aside(path: Path, now: float) -> Path:
@@ -297,14 +111,10 @@ def _write_outbox(
     batch: list[tuple[Any, ...]] = []
     orphans: list[tuple[Any, ...]] = []
 
-    sources: dict[tuple[int, str, str], int] = {}
+    catalog = Catalog()
 
     def source(r: tuple[Any, ...]) -> int:
-        key = (r[1], r[2], r[3])
-        sid = sources.get(key)
-        if sid is None:
-            sources[key] = sid = source_id_sync(dst, *key)
-        return sid
+        return catalog.source_id_sync(dst, (r[1], r[2], r[3]))
 
     def flush() -> tuple[int, int]:
         with sync_transaction(dst):
@@ -461,37 +271,3 @@ def salvage(src_path: Path, dst_path: Path, *, now: float | None = None) -> Even
         unreadable=unreadable,
         dead_letters=dead,
     )
-
-
-# -- the events in meta -----------------------------------------------------------
-
-
-def events_from_json(text: str | None) -> list[Event]:
-    if not text:
-        return []
-    try:
-        return [Event(**d) for d in json.loads(text)]
-    except (ValueError, TypeError):
-        return []
-
-
-def events_to_json(events: list[Event]) -> str:
-    return json.dumps([asdict(e) for e in events])
-
-
-def read_events(conn: sqlite3.Connection) -> list[Event]:
-    row = conn.execute("SELECT value FROM meta WHERE key = 'recovery'").fetchone()
-    return events_from_json(None if row is None else str(row[0]))
-
-
-def acknowledge(conn: sqlite3.Connection) -> int:
-    """Mark every recovery event acknowledged; returns how many were open."""
-    with sync_transaction(conn):
-        events = read_events(conn)
-        fresh = [e for e in events if not e.acknowledged]
-        for e in events:
-            e.acknowledged = True
-        conn.execute(
-            "INSERT OR REPLACE INTO meta(key, value) VALUES ('recovery', ?)", (events_to_json(events),)
-        )
-    return len(fresh)

@@ -1,6 +1,7 @@
-"""The inbox seen from outside the agent: read-only views for the CLI and the
-marks `config republish` writes (another process; WAL lets it read and write
-beside the running agent).  Schema and transitions: inbox.py."""
+"""Tools on the inbox for the CLI, beside buffer_admin.py: read-only views
+(commands, configs, offsets) and the marks `config republish` writes (another
+process; WAL lets it read and write beside the running agent).  Tables:
+downlink/inbox_schema.py; the agent's side: downlink/inbox.py."""
 
 from __future__ import annotations
 
@@ -8,14 +9,10 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-from ..store.db import ro_connect
-from .commands import CommandState
-
-RECEIVED: Final = CommandState.RECEIVED.value
-REPUBLISH: Final = "republish"  # delivered once; the broker lost it: publish again (a restore)
-DELIVERED: Final = CommandState.DELIVERED.value
+from .downlink.inbox_schema import mark_sql
+from .store.db import ro_connect
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,23 +44,6 @@ class CommandRow:
         }
 
 
-def mark_sql(
-    device: str | None, now: float, since: float | None = None, before: float | None = None
-) -> tuple[str, tuple[Any, ...]]:
-    sql = "UPDATE downlink_config SET state = ?, detail = 'restore requested', updated_at = ? WHERE state = ?"
-    params: tuple[Any, ...] = (REPUBLISH, now, DELIVERED)
-    if device is not None:
-        sql += " AND device = ?"
-        params += (device,)
-    if since is not None:
-        sql += " AND updated_at >= ?"
-        params += (since,)
-    if before is not None:
-        sql += " AND updated_at < ?"
-        params += (before,)
-    return sql, params
-
-
 def request_republish(path: Path, device: str | None = None) -> int:
     """From another process (the CLI): mark delivered configs for the
     running agent's deliverer to publish again; returns how many.  Writes
@@ -83,7 +63,7 @@ def request_republish(path: Path, device: str | None = None) -> int:
 
 def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
     """(device, id, state, source) of every device's newest config."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_config"):
             return []
@@ -98,11 +78,6 @@ def read_configs(path: Path) -> list[tuple[str, str, str, str]]:
 # -- read-only views for the CLI (another process; WAL lets it read) --------------
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    """Read-only; a missing file raises NoDatabase, a FileNotFoundError."""
-    return ro_connect(path)
-
-
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
     return row is not None
@@ -110,7 +85,7 @@ def _has_table(conn: sqlite3.Connection, name: str) -> bool:
 
 def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> list[CommandRow]:
     """The most recent commands (newest first)."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_commands"):
             return []
@@ -130,7 +105,7 @@ def read_commands(path: Path, *, limit: int = 50, device: str | None = None) -> 
 
 def read_offsets(path: Path) -> list[tuple[str, str, int, int, int | None]]:
     """(stream, topic, partition, last consumed, last mirrored)."""
-    conn = _ro(path)
+    conn = ro_connect(path)
     try:
         if not _has_table(conn, "downlink_offsets"):
             return []
