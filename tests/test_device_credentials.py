@@ -16,8 +16,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from iggy_edge import gateway_ca
-from iggy_edge.cli import device_credentials as creds
 from iggy_edge.cli.main import app
+from iggy_edge.provision import credentials as creds
 from typer.testing import CliRunner, Result
 
 from tests.support.broker import mosquitto_binary

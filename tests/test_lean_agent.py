@@ -44,6 +44,7 @@ CLI_ONLY = [
     "cryptography",
     "iggy_edge.buffer_admin",
     "iggy_edge.gateway_ca",
+    "iggy_edge.provision",
     "iggy_edge.simulate",
     *(
         f"iggy_edge.cli.{m}"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.buffer_admin import read_dead_letters
-from iggy_edge.cli.device_credentials import CredentialsError, check_device_id
 from iggy_edge.cli.main import app
 from iggy_edge.downlink import poll as poll_module
 from iggy_edge.downlink.commands import (
@@ -34,6 +33,7 @@ from iggy_edge.downlink.component import ACK_WRONG_DEVICE
 from iggy_edge.downlink.inbox import Inbox, RowRefused
 from iggy_edge.downlink.poll import TOO_MANY_CONFIG_DEVICES
 from iggy_edge.inbox_admin import read_commands, read_configs
+from iggy_edge.provision.credentials import CredentialsError, check_device_id
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 

@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.cli import device
+from iggy_edge.provision import NoBoardError, NotMicroPythonError, PortBusyError, ProvisionError
+from iggy_edge.provision.plan import Plan, build_plan, run_mpremote, verify
+from iggy_edge.provision.ports import parse_port_list
+from iggy_edge.provision.sources import source_root, tool
+from iggy_edge.provision.staging import device_config, stage
 from typer.testing import CliRunner
 
 from tests.support.micropython import REPO, mpy_cross_binary
@@ -24,7 +29,7 @@ SECRET = "correct horse battery staple"
 
 
 def _mpremote() -> str:
-    return device._tool("mpremote")
+    return tool("mpremote")
 
 
 def _provision(*extra: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -55,12 +60,12 @@ def held(pty: Path) -> Iterator[Path]:
 
 
 # -- the plan -------------------------------------------------------------------
-def _staged(tmp_path: Path, *, mpy: bool) -> device.Plan:
-    root = device.source_root()
+def _staged(tmp_path: Path, *, mpy: bool) -> Plan:
+    root = source_root()
     template = json.loads((root / "firmware_examples/env_sensor/config.json").read_text())
-    cfg = device.device_config(template, "env-7", "lab", "10.0.0.2", 1883)
-    files = device.stage(root, "env_sensor", tmp_path, cfg, {"wifi_password": SECRET}, mpy=mpy)
-    return device.build_plan("/dev/ttyUSB0", files, tmp_path)
+    cfg = device_config(template, "env-7", "lab", "10.0.0.2", 1883)
+    files = stage(root, "env_sensor", tmp_path, cfg, {"wifi_password": SECRET}, mpy=mpy)
+    return build_plan("/dev/ttyUSB0", files, tmp_path)
 
 
 def test_plan_copies_library_example_config_then_installs_umqtt_and_verifies(tmp_path: Path) -> None:
@@ -105,18 +110,18 @@ def test_verify_compares_board_hashes_with_the_staged_files(tmp_path: Path) -> N
     f = tmp_path / "main.py"
     f.write_text("print(1)\n")
     good = hashlib.sha256(f.read_bytes()).hexdigest()
-    device.verify({"main.py": f}, f"sha256sum :main.py\n{good}\n")
-    with pytest.raises(device.ProvisionError, match=r"differ on the board after copying: main\.py"):
-        device.verify({"main.py": f}, "sha256sum :main.py\n" + "0" * 64 + "\n")
-    with pytest.raises(device.ProvisionError, match=r"main\.py"):
-        device.verify({"main.py": f}, "")
+    verify({"main.py": f}, f"sha256sum :main.py\n{good}\n")
+    with pytest.raises(ProvisionError, match=r"differ on the board after copying: main\.py"):
+        verify({"main.py": f}, "sha256sum :main.py\n" + "0" * 64 + "\n")
+    with pytest.raises(ProvisionError, match=r"main\.py"):
+        verify({"main.py": f}, "")
 
 
 # -- errors, with the real mpremote ------------------------------------------------
 def test_missing_port_real_mpremote_is_reported_as_no_board() -> None:
     port = "/dev/ttyIGGYNOPE0"
-    with pytest.raises(device.NoBoardError, match="does not exist"):
-        device.run_mpremote([_mpremote(), "connect", port, "fs", "ls"], port)
+    with pytest.raises(NoBoardError, match="does not exist"):
+        run_mpremote([_mpremote(), "connect", port, "fs", "ls"], port)
     code, out = _provision("--port", port, "--wifi-password-env", "W", env={"W": SECRET})
     assert code == 1
     assert "no board on /dev/ttyIGGYNOPE0" in out
@@ -124,8 +129,8 @@ def test_missing_port_real_mpremote_is_reported_as_no_board() -> None:
 
 
 def test_busy_port_real_mpremote_is_reported_as_busy(held: Path) -> None:
-    with pytest.raises(device.PortBusyError, match="busy"):
-        device.run_mpremote([_mpremote(), "connect", str(held), "fs", "ls"], str(held))
+    with pytest.raises(PortBusyError, match="busy"):
+        run_mpremote([_mpremote(), "connect", str(held), "fs", "ls"], str(held))
     t0 = time.monotonic()
     code, out = _provision("--port", str(held), "--wifi-password-env", "W", env={"W": SECRET})
     assert code == 1
@@ -135,8 +140,8 @@ def test_busy_port_real_mpremote_is_reported_as_busy(held: Path) -> None:
 
 def test_port_where_no_micropython_answers(pty: Path) -> None:
     # mpremote gives up on the raw REPL after about 10 s
-    with pytest.raises(device.NotMicroPythonError, match="not a MicroPython REPL"):
-        device.run_mpremote([_mpremote(), "connect", str(pty), "fs", "ls"], str(pty), timeout=60)
+    with pytest.raises(NotMicroPythonError, match="not a MicroPython REPL"):
+        run_mpremote([_mpremote(), "connect", str(pty), "fs", "ls"], str(pty), timeout=60)
 
 
 def test_wifi_password_missing_is_an_error_before_touching_the_port() -> None:
@@ -161,7 +166,7 @@ def test_unknown_example_lists_the_real_ones() -> None:
 # -- ports ---------------------------------------------------------------------------
 def test_ports_shows_the_serial_ports_mpremote_sees() -> None:
     real = subprocess.run([_mpremote(), "connect", "list"], capture_output=True, text=True, check=True).stdout
-    ports = device.parse_port_list(real)
+    ports = parse_port_list(real)
     result = CliRunner().invoke(device.app, ["ports", "--json"])
     assert result.exit_code == 0
     listed = [json.loads(line) for line in result.output.splitlines()]
@@ -173,7 +178,7 @@ def test_ports_shows_the_serial_ports_mpremote_sees() -> None:
 
 def test_port_list_parsing_marks_esp32_bridges() -> None:
     out = "/dev/ttyUSB0 0001 10c4:ea60 Silicon Labs CP2102_USB_to_UART\n/dev/ttyS0 None 0000:0000 None None\n"
-    ports = device.parse_port_list(out)
+    ports = parse_port_list(out)
     assert ports[0].bridge == "Silicon Labs CP210x"
     assert ports[1].bridge == ""
 

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 from esptool import targets
-from iggy_edge.cli import device, device_flash
+from iggy_edge.cli import device
+from iggy_edge.provision import ProvisionError
+from iggy_edge.provision import plan as provision_plan
+from iggy_edge.provision.board import PROBE, SAFE_OFF, SAFE_ON, Probe, parse_probe, remove_old_snippet
+from iggy_edge.provision.flash import FlashError, Image, check_image, classify, esptool_argv, parse_chip
+from iggy_edge.provision.plan import PROBE_LABEL, build_plan, copy_to_board
+from iggy_edge.provision.sources import source_root, tool
+from iggy_edge.provision.staging import check_mpy, device_config, prepare, stage
 from typer.testing import CliRunner
 
 from tests.support.broker import Broker
@@ -58,53 +65,53 @@ def esp_image(chip_id: int, payload: bytes = b"MicroPython v1.24.1 on 2024-11-29
 
 
 def _esptool() -> str:
-    return device._tool("esptool")
+    return tool("esptool")
 
 
 # -- image checks with the real esptool --------------------------------------------
 def test_a_valid_esp32_micropython_image_is_accepted_with_its_offset(tmp_path: Path) -> None:
     img = tmp_path / "ESP32_GENERIC-20241129-v1.24.1.bin"
     img.write_bytes(esp_image(ESP32_CHIP_ID))
-    image = device_flash.check_image(_esptool(), img)
+    image = check_image(_esptool(), img)
     assert (image.chip, image.label, image.offset) == ("esp32", "ESP32", 0x1000)
     s3 = tmp_path / "ESP32_GENERIC_S3.bin"
     s3.write_bytes(esp_image(ESP32S3_CHIP_ID))
-    image = device_flash.check_image(_esptool(), s3)
+    image = check_image(_esptool(), s3)
     assert (image.chip, image.label, image.offset) == ("esp32s3", "ESP32-S3", 0x0)
 
 
 def test_bad_images_are_refused_with_where_to_get_one(tmp_path: Path) -> None:
     esptool = _esptool()
-    with pytest.raises(device_flash.FlashError, match=r"no firmware image at .*micropython\.org/download"):
-        device_flash.check_image(esptool, tmp_path / "missing.bin")
+    with pytest.raises(FlashError, match=r"no firmware image at .*micropython\.org/download"):
+        check_image(esptool, tmp_path / "missing.bin")
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"<html>404 Not Found</html>" * 10)  # a failed download
-    with pytest.raises(device_flash.FlashError, match=r"not an ESP firmware image.*magic"):
-        device_flash.check_image(esptool, junk)
+    with pytest.raises(FlashError, match=r"not an ESP firmware image.*magic"):
+        check_image(esptool, junk)
     damaged = bytearray(esp_image(ESP32_CHIP_ID))
     damaged[60] ^= 0xFF  # a flipped byte inside a segment
     bad = tmp_path / "damaged.bin"
     bad.write_bytes(bytes(damaged))
-    with pytest.raises(device_flash.FlashError, match=r"damaged .*invalid.*download it again"):
-        device_flash.check_image(esptool, bad)
+    with pytest.raises(FlashError, match=r"damaged .*invalid.*download it again"):
+        check_image(esptool, bad)
     other = tmp_path / "arduino.bin"
     other.write_bytes(esp_image(ESP32_CHIP_ID, b"some other firmware"))
-    with pytest.raises(device_flash.FlashError, match="ESP32 image but not MicroPython"):
-        device_flash.check_image(esptool, other)
+    with pytest.raises(FlashError, match="ESP32 image but not MicroPython"):
+        check_image(esptool, other)
 
 
 def test_esptool_command_lines(tmp_path: Path) -> None:
     img = tmp_path / "fw.bin"
-    esp32 = device_flash.Image(img, "esp32", "ESP32")
-    ident, erase, write = device_flash.esptool_argv("esptool", "/dev/ttyUSB0", esp32)
+    esp32 = Image(img, "esp32", "ESP32")
+    ident, erase, write = esptool_argv("esptool", "/dev/ttyUSB0", esp32)
     assert ident == ["esptool", "--port", "/dev/ttyUSB0", "read-mac"]
     assert erase == ["esptool", "--chip", "esp32", "--port", "/dev/ttyUSB0", "erase-flash"]
     assert write == [
         *["esptool", "--chip", "esp32", "--port", "/dev/ttyUSB0", "--baud", "460800"],
         *["write-flash", "0x1000", str(img)],
     ]
-    c3 = device_flash.Image(img, "esp32c3", "ESP32-C3")
-    assert device_flash.esptool_argv("esptool", "/dev/ttyACM0", c3)[2][-2] == "0x0"
+    c3 = Image(img, "esp32c3", "ESP32-C3")
+    assert esptool_argv("esptool", "/dev/ttyACM0", c3)[2][-2] == "0x0"
     # every subcommand and option exists in the installed esptool
     for argv in (ident, erase, write):
         sub = next(a for a in argv if a in ("read-mac", "erase-flash", "write-flash"))
@@ -116,10 +123,10 @@ def test_esptool_command_lines(tmp_path: Path) -> None:
 
 def test_chip_and_probe_parsing() -> None:
     # esptool 5's banner (esptool/__init__.py: "Connected to {CHIP_NAME} on {port}:")
-    assert device_flash.parse_chip("Connecting....\nConnected to ESP32-S3 on /dev/ttyACM0:\n") == "ESP32-S3"
-    assert device_flash.parse_chip("Connecting...\nDetecting chip type... ESP32\n") == "ESP32"
-    assert device_flash.parse_chip("nothing") is None
-    wrong = device_flash.classify("/dev/x", "A fatal error occurred: This chip is ESP32-S3, not ESP32. Wrong")
+    assert parse_chip("Connecting....\nConnected to ESP32-S3 on /dev/ttyACM0:\n") == "ESP32-S3"
+    assert parse_chip("Connecting...\nDetecting chip type... ESP32\n") == "ESP32"
+    assert parse_chip("nothing") is None
+    wrong = classify("/dev/x", "A fatal error occurred: This chip is ESP32-S3, not ESP32. Wrong")
     assert "the board is an ESP32-S3 but the image is for ESP32" in str(wrong)
 
 
@@ -148,18 +155,18 @@ def test_flash_missing_port_and_bad_image_fail_before_esptool_touches_a_board(tm
 
 # -- provisioning's board-side steps, under the real Unix port ---------------------------
 def _staged(tmp_path: Path, *, mpy: bool) -> dict[str, Path]:
-    root = device.source_root()
+    root = source_root()
     template = json.loads((root / "firmware_examples/env_sensor/config.json").read_text())
-    cfg = device.device_config(template, "env-7", "lab", "10.0.0.2", 1883)
-    return device.stage(root, "env_sensor", tmp_path / "staging", cfg, {"wifi_password": "x"}, mpy=mpy)
+    cfg = device_config(template, "env-7", "lab", "10.0.0.2", 1883)
+    return stage(root, "env_sensor", tmp_path / "staging", cfg, {"wifi_password": "x"}, mpy=mpy)
 
 
 def test_plan_enters_safe_mode_removes_the_old_library_and_leaves_safe_mode_last(tmp_path: Path) -> None:
     files = _staged(tmp_path, mpy=False)
-    plan = device.build_plan("/dev/ttyUSB0", files, tmp_path)
+    plan = build_plan("/dev/ttyUSB0", files, tmp_path)
     labels = [s.label for s in plan.steps]
     assert labels[:5] == [
-        device.PROBE_LABEL,
+        PROBE_LABEL,
         "enter safe mode (/safe)",
         "reset into safe mode (stops the watchdog)",
         "remove the old library",
@@ -172,7 +179,7 @@ def test_plan_enters_safe_mode_removes_the_old_library_and_leaves_safe_mode_last
     ]
     assert plan.steps[2].args == ("reset",)
     assert any(s.args[:1] == ("mip",) for s in plan.steps)
-    frozen = device.build_plan("/dev/ttyUSB0", files, tmp_path, install_umqtt=False)
+    frozen = build_plan("/dev/ttyUSB0", files, tmp_path, install_umqtt=False)
     assert not any(s.args[:1] == ("mip",) for s in frozen.steps)
 
 
@@ -187,7 +194,7 @@ def test_the_removal_snippet_deletes_old_source_and_bytecode_on_the_board(tmp_pa
         (flash.root / name).write_text("x = 1\n")
     (flash.root / "data").mkdir()
     (flash.root / "data" / "seq").write_text("64")
-    r = run_script(device.remove_old_snippet(_staged(tmp_path, mpy=True)), flash)
+    r = run_script(remove_old_snippet(_staged(tmp_path, mpy=True)), flash)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in lib.iterdir()) == []
     left = sorted(p.name for p in flash.root.iterdir() if not p.name.startswith("_"))
@@ -199,7 +206,7 @@ def test_safe_mode_written_by_provisioning_stops_the_example_at_boot(tmp_path: P
     flash = Flash(tmp_path / "board")
     flash.install_example("env_sensor", device_id="env-7", broker="127.0.0.1", wdt_ms=5000, cycles=3)
     main = flash.path("main.py").read_bytes()
-    r = run_script(device.SAFE_ON, flash)
+    r = run_script(SAFE_ON, flash)
     assert r.returncode == 0, r.stdout + r.stderr
     assert flash.path("safe").exists()
     # nothing to start after the reset, whatever library the board had
@@ -209,21 +216,21 @@ def test_safe_mode_written_by_provisioning_stops_the_example_at_boot(tmp_path: P
     assert board.wait(30) == 0
     assert "[iggy] safe mode: /safe exists" in board.console()
     assert not flash.path("_hw_wdt.log").exists()  # no watchdog to fight the copy
-    r = run_script(device.SAFE_OFF, flash)
+    r = run_script(SAFE_OFF, flash)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not flash.path("safe").exists()
 
 
 def test_probe_under_micropython_reports_mpy_version_and_umqtt(tmp_path: Path) -> None:
     require_micropython()
-    r = run_script(device_flash.PROBE, Flash(tmp_path / "with"))
-    probe = device_flash.parse_probe(r.stdout)
+    r = run_script(PROBE, Flash(tmp_path / "with"))
+    probe = parse_probe(r.stdout)
     assert probe is not None, r.stdout + r.stderr
     assert probe.impl == "micropython"
     assert probe.umqtt  # on the path, as when frozen into the firmware
     bare = Flash(tmp_path / "bare")
     (bare.root / "lib").mkdir(parents=True)  # a /lib without umqtt
-    probe_bare = device_flash.parse_probe(run_script(device_flash.PROBE, bare).stdout)
+    probe_bare = parse_probe(run_script(PROBE, bare).stdout)
     assert probe_bare is not None
     assert not probe_bare.umqtt
     # the board's .mpy version against what mpy-cross makes here
@@ -233,13 +240,11 @@ def test_probe_under_micropython_reports_mpy_version_and_umqtt(tmp_path: Path) -
     src.write_text("x = 1\n")
     mpy_cross(src, tmp_path / "m.mpy")
     files = {"lib/iggy_device/m.mpy": tmp_path / "m.mpy"}
-    device.check_mpy(probe, files)  # this Unix port loads this mpy-cross's output
-    old = device_flash.Probe("micropython", "esp32", (1, 18, 0), 5, True)
-    with pytest.raises(
-        device.ProvisionError, match=r"loads \.mpy version 5, but mpy-cross here makes version 6"
-    ):
-        device.check_mpy(old, files)
-    device.check_mpy(old, {"main.py": src})  # no bytecode: nothing to check
+    check_mpy(probe, files)  # this Unix port loads this mpy-cross's output
+    old = Probe("micropython", "esp32", (1, 18, 0), 5, True)
+    with pytest.raises(ProvisionError, match=r"loads \.mpy version 5, but mpy-cross here makes version 6"):
+        check_mpy(old, files)
+    check_mpy(old, {"main.py": src})  # no bytecode: nothing to check
 
 
 # -- the whole provisioning flow against a board's filesystem -----------------------------
@@ -261,7 +266,7 @@ class FlashBoard:
         if args[0] == "exec":
             r = run_script(args[1], self.flash)
             if r.returncode != 0:
-                raise device.ProvisionError("mpremote failed: " + (r.stdout + r.stderr).strip()[-200:])
+                raise ProvisionError("mpremote failed: " + (r.stdout + r.stderr).strip()[-200:])
             return r.stdout
         if args == ("reset",):
             return ""
@@ -299,8 +304,8 @@ def test_provisioning_flow_on_a_used_board_then_it_runs(
     monkeypatch.setenv("IGGY_TEST_MQTT_PW", "board-password-0123456789")
     staging = tmp_path / "staging"
     staging.mkdir()
-    staged = device.prepare(
-        device.source_root(),
+    staged = prepare(
+        source_root(),
         "env_sensor",
         staging,
         device_id="env-new",
@@ -312,8 +317,8 @@ def test_provisioning_flow_on_a_used_board_then_it_runs(
         mpy=True,
     )
     fake = FlashBoard(flash)
-    monkeypatch.setattr(device, "run_mpremote", fake)
-    device._copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
+    monkeypatch.setattr(provision_plan, "run_mpremote", fake)
+    copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
     assert (("mip", "install", "umqtt.simple") in fake.calls) is not umqtt_on_board
     resets = [i for i, c in enumerate(fake.calls) if c == ("reset",)]
     assert len(resets) == 2
@@ -339,8 +344,8 @@ def test_provisioning_stops_before_touching_the_board_when_the_mpy_version_diffe
     flash.root.mkdir(parents=True)
     staging = tmp_path / "staging"
     staging.mkdir()
-    staged = device.prepare(
-        device.source_root(),
+    staged = prepare(
+        source_root(),
         "env_sensor",
         staging,
         device_id="env-new",
@@ -357,11 +362,9 @@ def test_provisioning_stops_before_touching_the_board_when_the_mpy_version_diffe
             data[1] = 5
             p.write_bytes(bytes(data))
     fake = FlashBoard(flash)
-    monkeypatch.setattr(device, "run_mpremote", fake)
-    with pytest.raises(
-        device.ProvisionError, match=r"loads \.mpy version 6, but mpy-cross here makes version 5"
-    ):
-        device._copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
+    monkeypatch.setattr(provision_plan, "run_mpremote", fake)
+    with pytest.raises(ProvisionError, match=r"loads \.mpy version 6, but mpy-cross here makes version 5"):
+        copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
     assert len(fake.calls) == 1  # the probe only
 
 
@@ -376,11 +379,11 @@ def test_image_offsets_are_the_installed_esptools_bootloader_offsets(tmp_path: P
     for chip, cls in targets.CHIP_DEFS.items():
         if chip == "esp8266":
             continue  # not a board this project flashes
-        assert device_flash.Image(img, chip, chip.upper()).offset == cls.BOOTLOADER_FLASH_OFFSET, chip
-    c5 = device_flash.Image(img, "esp32c5", "ESP32-C5")
-    assert device_flash.esptool_argv("esptool", "/dev/ttyACM0", c5)[2][-2] == "0x2000"
-    p4 = device_flash.Image(img, "esp32p4", "ESP32-P4")
-    assert device_flash.esptool_argv("esptool", "/dev/ttyACM0", p4)[2][-2] == "0x2000"
+        assert Image(img, chip, chip.upper()).offset == cls.BOOTLOADER_FLASH_OFFSET, chip
+    c5 = Image(img, "esp32c5", "ESP32-C5")
+    assert esptool_argv("esptool", "/dev/ttyACM0", c5)[2][-2] == "0x2000"
+    p4 = Image(img, "esp32p4", "ESP32-P4")
+    assert esptool_argv("esptool", "/dev/ttyACM0", p4)[2][-2] == "0x2000"
 
 
 def download_image(chip_id: int, offset: int, app: bytes | None = None, app_at: int = 0x10000) -> bytes:
@@ -403,26 +406,26 @@ def test_a_damaged_application_partition_is_refused_not_only_the_bootloader(tmp_
     esptool = _esptool()
     good = tmp_path / "ESP32_GENERIC-20241129-v1.24.1.bin"
     good.write_bytes(download_image(ESP32_CHIP_ID, 0x1000))
-    assert device_flash.check_image(esptool, good).offset == 0x1000
+    assert check_image(esptool, good).offset == 0x1000
     c5 = tmp_path / "ESP32_GENERIC_C5.bin"
     c5.write_bytes(download_image(ESP32C5_CHIP_ID, 0x2000))
-    assert device_flash.check_image(esptool, c5).chip == "esp32c5"
+    assert check_image(esptool, c5).chip == "esp32c5"
 
     data = bytearray(good.read_bytes())
     data[0x10000 - 0x1000 + 60] ^= 0xFF  # a flipped byte inside the application
     damaged = tmp_path / "damaged.bin"
     damaged.write_bytes(bytes(data))
-    with pytest.raises(device_flash.FlashError, match=r"partition 'factory'.*invalid.*download it again"):
-        device_flash.check_image(esptool, damaged)
+    with pytest.raises(FlashError, match=r"partition 'factory'.*invalid.*download it again"):
+        check_image(esptool, damaged)
     cut = tmp_path / "cut.bin"
     cut.write_bytes(good.read_bytes()[: 0x10000 - 0x1000 + 8])  # the download stopped early
-    with pytest.raises(device_flash.FlashError, match="cut off"):
-        device_flash.check_image(esptool, cut)
+    with pytest.raises(FlashError, match="cut off"):
+        check_image(esptool, cut)
     no_table = tmp_path / "no-table.bin"
     no_table.write_bytes(esp_image(ESP32_CHIP_ID) + b"\xff" * 0x9000)
-    with pytest.raises(device_flash.FlashError, match="no partition table"):
-        device_flash.check_image(esptool, no_table)
+    with pytest.raises(FlashError, match="no partition table"):
+        check_image(esptool, no_table)
     other = tmp_path / "other-app.bin"
     other.write_bytes(download_image(ESP32_CHIP_ID, 0x1000, esp_image(ESP32_CHIP_ID, b"some other firmware")))
-    with pytest.raises(device_flash.FlashError, match="not MicroPython"):
-        device_flash.check_image(esptool, other)
+    with pytest.raises(FlashError, match="not MicroPython"):
+        check_image(esptool, other)

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 from iggy_edge import gateway_ca
-from iggy_edge.cli import device
 from iggy_edge.cli.main import app
 from iggy_edge.config import Settings
+from iggy_edge.provision import ProvisionError
+from iggy_edge.provision.sources import source_root
+from iggy_edge.provision.staging import Staged, prepare
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner
 
@@ -44,15 +46,15 @@ def gw() -> Iterator[GatewayBroker]:
 
 def provisioned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dev: str, port: int, **kw: object
-) -> tuple[Flash, device.Staged]:
+) -> tuple[Flash, Staged]:
     """What provisioning copies to the board, laid out as the board's flash
     (umqtt as `mip install umqtt.simple` puts it in /lib)."""
     require_micropython()
     monkeypatch.setenv("IGGY_TEST_MQTT_PW", PW)
     staging = tmp_path / "staging"
     staging.mkdir()
-    staged = device.prepare(
-        device.source_root(),
+    staged = prepare(
+        source_root(),
         "env_sensor",
         staging,
         device_id=dev,
@@ -249,9 +251,9 @@ def test_provisioning_refuses_tls_when_the_broker_certificate_does_not_name_the_
 ) -> None:
     paths = make_ca(tmp_path, "gw-names")
     monkeypatch.setenv("IGGY_TEST_MQTT_PW", PW)
-    with pytest.raises(device.ProvisionError, match=r"not valid for '10\.9\.8\.7'"):
-        device.prepare(
-            device.source_root(),
+    with pytest.raises(ProvisionError, match=r"not valid for '10\.9\.8\.7'"):
+        prepare(
+            source_root(),
             "env_sensor",
             tmp_path,
             device_id="env-x",
