@@ -4,11 +4,26 @@ calls live beside what they work on."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
+import iggy_edge.cli
 import pytest
 from iggy_edge.cli import doctor
 
 pytestmark = pytest.mark.unit
+
+CLI = Path(iggy_edge.cli.__file__).parent
+MAX_CLI_LINES = 300
+
+
+@pytest.mark.parametrize(
+    "module",
+    # cli/device*.py (provisioning) are held to the same bound by their own tests
+    sorted(p.name for p in CLI.glob("*.py") if not p.name.startswith("device")),
+)
+def test_cli_module_is_thin(module: str) -> None:
+    lines = len((CLI / module).read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_CLI_LINES, f"cli/{module} has {lines} lines: it holds a library"
 
 
 def test_doctor_checks_live_beside_what_they_check() -> None:
