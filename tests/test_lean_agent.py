@@ -46,10 +46,24 @@ CLI_ONLY = [
     "iggy_edge.gateway_ca",
     "iggy_edge.provision",
     "iggy_edge.simulate",
+    # what the CLI's commands call (doctor's checks, status, demo, service)
+    "iggy_edge.checks",
+    "iggy_edge.config_check",
+    "iggy_edge.clock_check",
+    "iggy_edge.httpd_check",
+    "iggy_edge.broker_checks",
+    "iggy_edge.broker_listener",
+    "iggy_edge.store.check",
+    "iggy_edge.uplink.iggy.check",
+    "iggy_edge.scrape",
+    "iggy_edge.demo",
+    "iggy_edge.service_unit",
     *(
         f"iggy_edge.cli.{m}"
         for m in (
             "buffer",
+            "dead_letters",
+            "progress",
             "command",
             "config_cmd",
             "demo",

@@ -17,7 +17,7 @@ from pathlib import Path
 import gmqtt
 import pytest
 from iggy_edge import mqttconn
-from iggy_edge.cli.doctor import check_broker
+from iggy_edge.broker_checks import check_broker
 from iggy_edge.config import MqttSettings, parse_config
 from iggy_edge.gmqtt_hooks import own_reconnect
 

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from iggy_edge.cli.doctor import check_broker_config, check_clock, read_env_file
+from iggy_edge.broker_checks import check_broker_config
 from iggy_edge.cli.main import app
+from iggy_edge.clock_check import check_clock
 from iggy_edge.config import load_config, parse_config
+from iggy_edge.config_check import read_env_file
 from iggy_edge.downlink.commands import commands_topic, config_topic
 from iggy_edge.uplink.iggy import IggyUplink
 from typer.testing import CliRunner

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 from iggy_edge.cli.main import app
-from iggy_edge.cli.status import parse_metrics
 from iggy_edge.config import MetricsSettings, Settings, parse_listen
 from iggy_edge.httpd import MetricsServer, http_endpoint, local_url
 from iggy_edge.metrics import Metrics
 from iggy_edge.runtime import Agent
+from iggy_edge.scrape import parse_metrics
 from iggy_edge.store import Outbox
 from iggy_edge.uplink.memory import MemoryIggy
 from typer.testing import CliRunner

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.cli.main import app
-from iggy_edge.cli.service import UNIT, _gateway_name, render_unit
 from iggy_edge.runtime import Agent
+from iggy_edge.service_unit import UNIT, gateway_name, render_unit
 from typer.testing import CliRunner
 
 from tests.support.broker import mosquitto_binary
@@ -297,7 +297,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             shipped = (REPO / "packaging/config/config.toml").read_text().splitlines()
             config = Path("/etc/iggy-edge/config.toml").read_text().splitlines()
             changed = [(a, b) for a, b in zip(shipped, config, strict=True) if a != b]
-            assert changed == [(PLACEHOLDER, f'gateway_id = "{_gateway_name()}"')], changed
+            assert changed == [(PLACEHOLDER, f'gateway_id = "{gateway_name()}"')], changed
             assert "iggy-edge: gateway_id = " in done.stdout, done.stdout
             # the long step says what it does (it is silent for tens of seconds)
             assert "iggy-edge: building /opt/iggy-edge/venv from the bundled wheels" in done.stdout
@@ -537,7 +537,7 @@ def test_postinst_gateway_id_only_in_the_shipped_config(tmp_path: Path) -> None:
 
     md5 = hashlib.md5(shipped).hexdigest()
     fresh, said = run(shipped, md5)
-    name = _gateway_name()
+    name = gateway_name()
     assert fresh == shipped.replace(PLACEHOLDER.encode(), f'gateway_id = "{name}"'.encode()), fresh
     assert name != "gateway-01"
     assert f'gateway_id = "{name}"' in said

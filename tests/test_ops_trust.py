@@ -15,15 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from iggy_edge.cli.doctor_trust import (
-    check_agent_listener,
-    check_device_users,
-    check_iggy_transport,
-    listening_sockets,
-)
-from iggy_edge.cli.doctor_types import Check
+from iggy_edge.broker_checks import check_device_users
+from iggy_edge.broker_listener import check_agent_listener, listening_sockets
+from iggy_edge.checks import Check
 from iggy_edge.cli.main import app
 from iggy_edge.config import Settings, parse_config
+from iggy_edge.uplink.iggy.check import check_iggy_transport
 from typer.testing import CliRunner
 
 from tests.support.broker import Broker

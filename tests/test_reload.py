@@ -150,7 +150,7 @@ def test_config_check_against_the_running_file_says_what_a_reload_takes(tmp_path
 
 
 def test_the_unit_reloads_with_sighup() -> None:
-    from iggy_edge.cli.service import UNIT  # noqa: PLC0415 - the CLI's copy of the unit
+    from iggy_edge.service_unit import UNIT  # noqa: PLC0415 - the copy `service install` writes
 
     packaged = (Path(__file__).resolve().parents[1] / "packaging/systemd/iggy-edge.service").read_text()
     for unit in (packaged, UNIT):

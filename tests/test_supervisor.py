@@ -17,10 +17,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from iggy_edge.cli.status import Snapshot, figures, render
+from iggy_edge.cli.status import render
 from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
 from iggy_edge.metrics import Metrics
 from iggy_edge.runtime import Agent, build_agent
+from iggy_edge.scrape import Snapshot, figures
 from iggy_edge.supervisor import Supervisor
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.memory import MemoryCommandSource, MemoryIggy

@@ -17,6 +17,7 @@ import gmqtt
 from gmqtt.mqtt.constants import MQTTv311
 
 from .timeouts import wait_for
+from .topics import DEFAULT, TopicLayout
 
 
 @dataclass
@@ -26,7 +27,13 @@ class SimulatedSensor:
     qos: int = 1
     seq: int = 0
     sent: int = 0
+    topics: TopicLayout = DEFAULT  # the gateway's (settings.topics)
     _phase: float = field(default_factory=lambda: random.uniform(0, 6.28))  # noqa: S311
+
+    @property
+    def topic(self) -> str:
+        """Where its readings go: the ``env`` channel of its ``up/`` tree."""
+        return self.topics.up(self.device_id, "env")
 
     def reading(self) -> bytes:
         t = time.time()
@@ -41,7 +48,7 @@ class SimulatedSensor:
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
-        status = f"edge/{self.device_id}/status"
+        status = self.topics.status(self.device_id)
         client = gmqtt.Client(
             f"sim-{self.device_id}", will_message=gmqtt.Message(status, b"offline", qos=1, retain=True)
         )
@@ -51,7 +58,7 @@ class SimulatedSensor:
             client.publish(status, b"online", qos=1, retain=True)
             period = 1.0 / self.rate_hz
             while not stop.is_set():
-                client.publish(f"edge/{self.device_id}/up/env", self.reading(), qos=self.qos)
+                client.publish(self.topic, self.reading(), qos=self.qos)
                 self.sent += 1
                 with contextlib.suppress(TimeoutError):
                     await wait_for(stop.wait(), period * random.uniform(0.9, 1.1))  # noqa: S311

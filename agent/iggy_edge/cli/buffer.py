@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
 import sys
@@ -11,22 +10,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..buffer_admin import (
     ack_salvage,
     count_rows,
     exclusive,
     iter_records,
-    read_dead_letters,
     read_stats,
-    replay_dead_letters,
 )
 from ..buffer_admin import purge as store_purge
-from ..routing import Router
 from ..store import StoreError
-from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
+from .common import DEFAULT_CONFIG, ConfigOption, LimitOption, YesOption, fail, load_or_exit
+from .dead_letters import dead_app
+from .progress import progress
 
 app = typer.Typer(help="Inspect the store-and-forward buffer.", no_args_is_help=True)
 
@@ -96,22 +92,7 @@ def ack_salvage_cmd(config: ConfigOption = DEFAULT_CONFIG) -> None:
     typer.echo(f"acknowledged {n} recovery event(s)" if n else "nothing to acknowledge")
 
 
-# -- peek, export, purge, dead letters (ops) -----------------------------------
-
-LimitOption = Annotated[int, typer.Option("--limit", "-n", min=1, help="How many records.")]
-YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
-
-
-def _progress() -> Progress:
-    """Progress on stderr, so stdout stays clean for data (export to a pipe)."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    )
+# -- peek, export, purge (ops; dead letters: dead_letters.py) -----------------------------------
 
 
 def _short(payload: bytes, width: int = 60) -> str:
@@ -175,7 +156,7 @@ def export(
         out = output.open("w", encoding="utf-8") if output is not None else sys.stdout
         written = 0
         try:
-            with _progress() as bar:
+            with progress() as bar:
                 task = bar.add_task("exporting", total=total)
                 for r in iter_records(path, limit=limit):
                     out.write(json.dumps(r.as_json()) + "\n")
@@ -218,7 +199,7 @@ def purge_cmd(
             what = f"{records} records" + (f" and {dead} dead letters" if dead_letters else "")
             if not yes and not typer.confirm(f"Delete {what} from {path}? They cannot be recovered."):
                 raise fail("nothing deleted", 1)
-            with _progress() as bar:
+            with progress() as bar:
                 task = bar.add_task("purging", total=records)
                 deleted, dead_deleted = store_purge(
                     conn, dead_letters=dead_letters, progress=lambda n: bar.advance(task, n)
@@ -228,109 +209,4 @@ def purge_cmd(
     typer.echo(f"purged {deleted} records" + (f" and {dead_deleted} dead letters" if dead_letters else ""))
 
 
-dead_app = typer.Typer(
-    help="Messages that could not be routed (list, or replay after fixing a route).",
-    invoke_without_command=True,
-)
-app.add_typer(dead_app, name="dead-letters")
-
-
-@dead_app.callback()
-def dead_letters_list(
-    ctx: typer.Context,
-    config: ConfigOption = DEFAULT_CONFIG,
-    limit: LimitOption = 20,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON lines.")] = False,
-) -> None:
-    """List the newest dead letters with their reason (default action)."""
-    if ctx.invoked_subcommand is not None:
-        return
-    settings = load_or_exit(config)
-    try:
-        letters = read_dead_letters(settings.buffer_path, limit)
-    except StoreError as e:
-        raise fail(str(e)) from None
-    if as_json:
-        for d in letters:
-            typer.echo(
-                json.dumps(
-                    {
-                        "id": d.id,
-                        "received_us": d.received_us,
-                        "mqtt_topic": d.mqtt_topic.decode("utf-8", "replace"),
-                        "qos": d.qos,
-                        "retain": d.retain,
-                        "reason": d.reason,
-                        "detail": d.detail,
-                        "payload_size": d.payload_size,
-                        "payload_b64": base64.b64encode(d.payload).decode("ascii"),
-                    }
-                )
-            )
-        return
-    if not letters:
-        typer.echo("no dead letters")
-        return
-    for d in letters:
-        when = datetime.datetime.fromtimestamp(d.received_us / 1e6).isoformat(timespec="seconds")
-        typer.echo(
-            f"#{d.id:<6} {when}  {d.reason:<14} {d.mqtt_topic.decode('utf-8', 'replace')!r}  "
-            f"{d.payload_size}B  {d.detail}"
-        )
-
-
-def _group_config(ctx: typer.Context, config: Path) -> Path:
-    """`dead-letters -c X replay`: the group's -c applies unless replay has its own."""
-    source = ctx.get_parameter_source("config")  # typer vendors click: compare by name
-    if source is not None and source.name == "DEFAULT" and ctx.parent is not None:
-        outer = ctx.parent.params.get("config")
-        if isinstance(outer, Path):
-            return outer
-    return config
-
-
-@dead_app.command("replay")
-def dead_letters_replay(
-    ctx: typer.Context, config: ConfigOption = DEFAULT_CONFIG, yes: YesOption = False
-) -> None:
-    """Route the dead letters again with the current [\\[routes]]; those that route go to the outbox.
-
-    They keep their original receive time and order; the rest stay dead letters.
-
-    Fix the route in the config first; needs the agent stopped (like purge).
-    """
-    config = _group_config(ctx, config)
-    settings = load_or_exit(config)
-    path = settings.buffer_path
-    router = Router(settings.routes, settings.buffer.max_payload_bytes)
-    try:
-        total = count_rows(path, "dead_letters")
-        if total == 0:
-            typer.echo("no dead letters")
-            return
-        with exclusive(path) as conn:
-            if not yes and not typer.confirm(
-                f"Route {total} dead letters again with the routes in {config}?"
-            ):
-                raise fail("nothing replayed", 1)
-            with _progress() as bar:
-                task = bar.add_task("replaying", total=total)
-                result = replay_dead_letters(
-                    conn, router, settings.buffer, progress=lambda n: bar.advance(task, n)
-                )
-    except StoreError as e:
-        raise fail(str(e)) from None
-    typer.echo(f"replayed {result.replayed} dead letters into the outbox")
-    for reason, n in sorted(result.still_dead.items()):
-        advice = {
-            "unroutable": "no [[routes]] filter matches their topic",
-            "oversize": "larger than buffer.max_payload_bytes",
-            "truncated": "payload was cut when dead-lettered; cannot be replayed",
-            "invalid_topic": "topic is not valid UTF-8 / has wildcards",
-        }.get(reason, "")
-        typer.echo(f"  still dead: {n} {reason}" + (f" ({advice})" if advice else ""))
-    if result.no_room:
-        typer.secho(
-            f"  {result.no_room} not replayed: the outbox is at its bounds (buffer.max_records/max_bytes)",
-            fg=typer.colors.YELLOW,
-        )
+app.add_typer(dead_app, name="dead-letters")  # listed after the commands, as before

@@ -22,6 +22,9 @@ ConfigOption = Annotated[
     ),
 ]
 
+LimitOption = Annotated[int, typer.Option("--limit", "-n", min=1, help="How many records.")]
+YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print `error: message` in red on stderr; return the Exit to raise."""

@@ -20,7 +20,7 @@ import typer
 from ..config import Settings
 from ..downlink.commands import printable
 from ..httpd import local_url
-from .status import NotOurs, scrape
+from ..scrape import NotOurs, scrape
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -1,17 +1,9 @@
-"""Doctor's checks of the local trust boundaries (docs/operations.md,
-"Trust: who can reach the agent's credentials"):
-
-* broker-listener  the agent's loopback listener is held by Mosquitto on a
-                   privileged port: found through the kernel's socket
-                   tables (/proc/net/tcp{,6}: the listening socket's inode)
-                   and the processes holding that inode (/proc/<pid>/fd),
-                   with their user and name.  Anyone else there receives
-                   the agent's CONNECT with its password.
-* device-users     every name in the devices' password files is a device id
-                   (device_ids: no '/', '+', '#', not reserved for the
-                   agent), and the devices' listeners do not share the
-                   agent's ACL file
-* iggy-transport   the Iggy password does not go in clear to another host
+"""Doctor's broker-listener check (docs/operations.md, "Trust: who can
+reach the agent's credentials"): the agent's loopback listener is held by
+Mosquitto on a privileged port.  Found through the kernel's socket tables
+(/proc/net/tcp{,6}: the listening socket's inode) and the processes holding
+that inode (/proc/<pid>/fd), with their user and name.  Anyone else there
+receives the agent's CONNECT with its password.
 """
 
 from __future__ import annotations
@@ -24,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..config import Settings
-from ..device_ids import device_id_problem
-from .doctor_types import LOCAL_HOSTS, Check, Status, not_local_broker
+from .checks import LOCAL_HOSTS, Check, Status, worse
+from .config import Settings
 
 LISTEN: Final = "0A"  # TCP_LISTEN in /proc/net/tcp
 PROC: Final = Path("/proc")
@@ -34,7 +25,6 @@ AGENT_LISTENER_FIX: Final = (
     "use the packaged agent listener: 'listener 883 127.0.0.1' in /etc/mosquitto/conf.d/iggy-edge.conf and "
     "[mqtt] port = 883 in /etc/iggy-edge/config.toml, then systemctl restart mosquitto iggy-edge"
 )
-_RANK: Final[dict[Status, int]] = {"ok": 0, "skip": 0, "warn": 1, "fail": 2}
 
 
 @dataclass(frozen=True)
@@ -157,7 +147,7 @@ def _judge_socket(sock: ListenSocket, proc: Path) -> tuple[Status, str]:
             worst = "fail"
             notes.append(f"{where} is held by {who}, not by Mosquitto")
         elif o.name != "mosquitto":
-            worst = max(worst, "warn", key=_RANK.__getitem__)
+            worst = worse(worst, "warn")
             notes.append(f"{where} is held by {who}, a privileged process that is not Mosquitto")
         else:
             notes.append(f"{where} is held by {who}")
@@ -179,7 +169,7 @@ def check_agent_listener(settings: Settings, proc: Path = PROC) -> Check:
     notes = []
     for s in sockets:
         st, note = _judge_socket(s, proc)
-        status = max(status, st, key=_RANK.__getitem__)
+        status = worse(status, st)
         notes.append(note)
     start = unprivileged_port_start(proc)
     fix = ""
@@ -195,111 +185,6 @@ def check_agent_listener(settings: Settings, proc: Path = PROC) -> Check:
             "user can bind it while Mosquitto is down (restart, upgrade, crash, boot) and collect the "
             "agent's password"
         )
-        status = max(status, "warn", key=_RANK.__getitem__)
+        status = worse(status, "warn")
         fix = fix or AGENT_LISTENER_FIX
     return Check("broker-listener", status, "; ".join(notes), fix)
-
-
-# -- the broker's password files and ACLs --------------------------------------
-
-
-@dataclass
-class Listener:
-    port: int | None  # None: the global section
-    password_file: Path | None = None
-    acl_file: Path | None = None
-
-
-def mosquitto_listeners(conf: Path) -> list[Listener]:
-    """The listeners of a Mosquitto config (and its include_dirs, in the
-    order Mosquitto reads them) with their password and ACL files.  Raises
-    OSError when a file cannot be read."""
-    listeners = [Listener(None)]
-    files, seen = [conf], set()
-    while files:
-        path = files.pop(0)
-        if path.resolve() in seen:
-            continue
-        seen.add(path.resolve())
-        for line in path.read_text(errors="replace").splitlines():
-            key, _, value = line.strip().partition(" ")
-            value = value.strip()
-            if key == "include_dir":
-                files.extend(sorted(Path(value).glob("*.conf")))
-            elif key == "listener":
-                port = value.split()[0] if value else ""
-                listeners.append(Listener(int(port) if port.isdigit() else None))
-            elif key == "password_file":
-                listeners[-1].password_file = Path(value)
-            elif key == "acl_file":
-                listeners[-1].acl_file = Path(value)
-    return listeners
-
-
-def password_file_users(path: Path) -> list[str]:
-    return [
-        line.split(":", 1)[0]
-        for line in path.read_text(errors="surrogateescape").splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-
-
-def check_device_users(settings: Settings, conf: Path) -> Check:
-    """Names in the devices' password files that are not device ids, and a
-    devices' listener sharing the agent's ACL."""
-    if (skip := not_local_broker("device-users", settings, conf)) is not None:
-        return skip
-    try:
-        listeners = mosquitto_listeners(conf)
-    except OSError as e:
-        return Check("device-users", "skip", f"cannot read the broker's config: {e}", "run doctor with sudo")
-    agent = [x for x in listeners if x.port == settings.mqtt.port]
-    devices = [x for x in listeners if x.port is not None and x.port != settings.mqtt.port]
-    problems, fixes, users = [], [], 0
-    agent_acls = {x.acl_file for x in agent if x.acl_file is not None}
-    for d in devices:
-        if d.acl_file is not None and d.acl_file in agent_acls:
-            problems.append(
-                f"listener {d.port} uses the agent's ACL {d.acl_file}: a device user named like the agent "
-                "gets the agent's rights there"
-            )
-            fixes.append(
-                "give the agent's listener its own acl_file (the packaged iggy-edge-agent.acl) and keep only "
-                "the pattern lines in the devices' ACL"
-            )
-    for path in sorted({d.password_file for d in devices if d.password_file is not None}):
-        try:
-            names = password_file_users(path)
-        except OSError as e:
-            return Check("device-users", "skip", f"cannot read {path}: {e}", "run doctor with sudo")
-        users += len(names)
-        bad = [(n, p) for n in names if (p := device_id_problem(n)) is not None]
-        for _name, problem in bad[:5]:
-            problems.append(f"{path}: {problem}")
-        if len(bad) > 5:
-            problems.append(f"{path}: {len(bad) - 5} more such names")
-        if bad:
-            fixes.append(
-                f"revoke them (iggy-edge device credentials revoke NAME --passwd-file {path}, or "
-                f"mosquitto_passwd -D {path} NAME) and give those boards valid device ids"
-            )
-    if problems:
-        return Check("device-users", "fail", "; ".join(problems), "; ".join(dict.fromkeys(fixes)))
-    return Check("device-users", "ok", f"{users} device user(s), every name a device id")
-
-
-def check_iggy_transport(settings: Settings) -> Check | None:
-    """The Iggy login (user name and password) in clear to a remote node."""
-    s = settings.iggy
-    if s.kind != "iggy":
-        return None
-    remote = [a for a in s.nodes if a.rpartition(":")[0] not in LOCAL_HOSTS | {"[::1]"}]
-    if s.tls or not remote:
-        how = "TLS" if s.tls else "loopback only"
-        return Check("iggy-transport", "ok", f"{how}: the Iggy password does not cross the network in clear")
-    return Check(
-        "iggy-transport",
-        "warn",
-        f"iggy.tls is off: the password of {s.username!r} goes in clear to {', '.join(remote)}",
-        "enable TLS on the Iggy server and set iggy.tls = true (with tls_ca_file / tls_domain)",
-    )
