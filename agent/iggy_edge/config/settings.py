@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..topics import DEFAULT_PREFIX, TopicLayout
+from . import layout
 from .fields import FilePath, GatewayId, TopicPrefix, _Model
 from .sections import (
     BufferSettings,
@@ -22,22 +24,42 @@ from .sections import (
 )
 
 
+def _following(section: type[_Model]) -> Any:
+    # validate_default: the default section, too, moves to the prefix
+    return Field(default_factory=section, validate_default=True)
+
+
 class Settings(_Model):
     gateway_id: GatewayId  # its rule: device_ids.gateway_id_problem
     state_dir: FilePath = Path("/var/lib/iggy-edge")
     # The devices' topics hang off this prefix (topics.py); the device
-    # library's `topic_prefix` must say the same.
+    # library's `topic_prefix` must say the same.  Declared before the
+    # sections whose device topics follow it (config/layout.py).
     topic_prefix: TopicPrefix = DEFAULT_PREFIX
-    mqtt: MqttSettings = MqttSettings()
+    mqtt: MqttSettings = _following(MqttSettings)
     iggy: IggySettings = IggySettings()
     # At least one rule: with none every message would be dead-lettered.
+    # (default: the layout's, see _routes_follow_the_prefix)
     routes: tuple[RouteSettings, ...] = Field(default_factory=default_routes)
     buffer: BufferSettings = BufferSettings()
     forward: ForwardSettings = ForwardSettings()
-    downlink: DownlinkSettings = DownlinkSettings()
-    receipts: ReceiptSettings = ReceiptSettings()
+    downlink: DownlinkSettings = _following(DownlinkSettings)
+    receipts: ReceiptSettings = _following(ReceiptSettings)
     metrics: MetricsSettings = MetricsSettings()
     logging: LoggingSettings = LoggingSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _routes_follow_the_prefix(cls, data: Any) -> Any:
+        return layout.routes_default(data)
+
+    @field_validator("mqtt", "downlink", "receipts")
+    @classmethod
+    def _topics_follow_the_prefix(cls, section: _Model, info: ValidationInfo) -> _Model:
+        prefix = info.data.get("topic_prefix")
+        if prefix is None:  # refused itself: nothing to follow
+            return section
+        return layout.follow(info.field_name or "", section, TopicLayout(prefix))
 
     @field_validator("routes")
     @classmethod
