@@ -1,4 +1,4 @@
-"""The device-id rule, in one place.
+"""The device-id rule, and the gateway-id rule beside it, in one place.
 
 A device id is, all at once, a device's MQTT user name, its client id
 (``use_username_as_clientid``), one level of its topics (``%u`` in the
@@ -15,6 +15,15 @@ password file (``:``), to a terminal (control characters) or to an encoder
 (surrogates, noncharacters), so a valid id is safe to print, to publish to
 and to store.  Names starting with ``iggy-edge`` are reserved for the
 agent's own MQTT sessions (``iggy-edge-<gateway>[-deliver|-doctor]``).
+
+The gateway id (`gateway_id` in the config) is not a device id and has its
+own, narrower rule: no ``.``.  It ends the names of the gateway's Iggy
+topics, ``{commands_topic}.{gateway_id}`` and ``{config_topic}.{gateway_id}``,
+after a ``.``: with no dot in the gateway id, what follows the last dot of
+a topic name is its gateway, however the (dotted) topic parts are spelled.
+The Debian package derives it from the host name by the same rule
+(packaging/deb/postinst, cli/service.py).  Only `config` checks it; every
+device id is checked with `device_id_problem`.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ MAX_CHARS: Final = 64
 RESERVED_PREFIX: Final = "iggy-edge"
 _RULE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RULE_TEXT: Final = "1-64 characters, ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
+_GATEWAY_RULE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+GATEWAY_RULE_TEXT: Final = "1-64 characters, letters, digits, '-' or '_'"
 
 
 def device_id_problem(value: object) -> str | None:
@@ -41,3 +52,10 @@ def device_id_problem(value: object) -> str | None:
 
 def is_device_id(value: object) -> bool:
     return device_id_problem(value) is None
+
+
+def gateway_id_problem(value: object) -> str | None:
+    """Why `value` is not a gateway id, or None when it is one."""
+    if not isinstance(value, str) or _GATEWAY_RULE.fullmatch(value) is None:
+        return GATEWAY_RULE_TEXT
+    return None

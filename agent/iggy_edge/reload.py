@@ -7,7 +7,8 @@ reload takes (`LIVE`: bounds, TTLs, routes, log level, receipts and
 downlink timing, batching and health thresholds), those that need a restart
 (everything that names a connection, an identity, a file or a topic), and
 the settings the agent runs on afterwards: the running ones with only the
-live changes applied.  A reload of a file that does not validate changes
+live changes applied (a change of `topic_prefix` holds back the routes,
+which follow it).  A reload of a file that does not validate changes
 nothing.  `iggy-edge config check NEW --against RUNNING` prints the same
 plan without touching the agent.
 """
@@ -115,7 +116,12 @@ def plan(running: Settings, new: Settings) -> Plan:
         for key in sorted(old_flat.keys() | new_flat.keys())
         if not _same(old_flat.get(key), new_flat.get(key))
     ]
-    live = tuple(c for c in changes if c.live)
+    # The default routes follow topic_prefix, which needs a restart (the
+    # subscriptions and every device topic follow it too): routes moved with
+    # the prefix wait for that restart, or every reading would be
+    # unroutable until then.
+    held = {"routes"} if running.topic_prefix != new.topic_prefix else set()
+    live = tuple(c for c in changes if c.live and c.key not in held)
     update: dict[str, Any] = {}
     for c in live:
         section, _, field = c.key.partition(".")
@@ -131,4 +137,4 @@ def plan(running: Settings, new: Settings) -> Plan:
             for section, value in update.items()
         }
     )
-    return Plan(live, tuple(c for c in changes if not c.live), settings)
+    return Plan(live, tuple(c for c in changes if c not in live), settings)
