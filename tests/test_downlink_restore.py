@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import gmqtt
+import pytest
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.cli.main import app
 from iggy_edge.config import Settings
@@ -403,6 +404,7 @@ async def test_config_republish_against_a_running_agent(tmp_path: Path) -> None:
 # -- the inbox's side of a restore, without a broker ------------------------------------
 
 
+@pytest.mark.unit
 async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)
@@ -442,6 +444,7 @@ async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path
         await inbox.close()
 
 
+@pytest.mark.unit
 def test_cli_republish_without_a_buffer_says_so(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     result = CliRunner().invoke(app, ["config", "republish", "-c", str(write_config(tmp_path, settings))])

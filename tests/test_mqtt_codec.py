@@ -10,6 +10,8 @@ from gmqtt.mqtt.constants import MQTTv50
 from gmqtt.mqtt.handler import MqttPackageHandler
 from iggy_edge import mqtt_codec as c
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("n", "wire"),

@@ -9,8 +9,11 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

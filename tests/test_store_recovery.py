@@ -30,6 +30,8 @@ from tests.support.tmpfs import fill_disk
 from tests.support.tmpfs import small_tmpfs as tmpfs
 from tests.support.wait import async_wait_until
 
+pytestmark = pytest.mark.unit
+
 GW = "gw-recovery"
 PAGE = 4096
 
