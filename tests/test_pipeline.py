@@ -171,6 +171,7 @@ class GatedUplink(MemoryUplink):
         await super().send_lane(lane, records)
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_stop_finishes_the_batch_in_flight_within_the_bound(tmp_path: Path, broker: Broker) -> None:
     iggy = MemoryIggy()
     uplink = GatedUplink(iggy, delay=1.0)
