@@ -12,8 +12,6 @@ import pytest
 
 from tests.support.micropython import DEVICE_DIR, EXAMPLES_DIR, _missing, mpy_cross_binary
 
-pytestmark = pytest.mark.unit
-
 SOURCES = sorted([*DEVICE_DIR.rglob("*.py"), *EXAMPLES_DIR.rglob("*.py")])
 HARDWARE = {"machine", "network", "esp32", "dht", "umqtt", "umqtt.simple"}
 # the only library modules allowed to touch hardware or the MQTT client
