@@ -41,8 +41,8 @@ from typer.testing import CliRunner
 
 from tests.support.broker import Broker
 from tests.support.downlink import FreezableProxy, downlink_settings
+from tests.support.return_path import running
 from tests.support.wait import async_wait_until
-from tests.test_downlink_agent import running
 
 DEVICES = ("dev-a", "dev-b", "dev-c")
 REPUBLISHED = "iggy_edge_config_republished_total"
@@ -75,7 +75,7 @@ class Watcher:
         client = gmqtt.Client(f"watcher-{id(self)}", clean_session=True)
         subscribed = asyncio.get_running_loop().create_future()
         client.on_message = self._on_message
-        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)
+        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)  # type: ignore[func-returns-value]
         await client.connect("127.0.0.1", self.port, version=MQTTv50)
         client.subscribe([gmqtt.Subscription(f, qos=1) for f in self.filters])
         await asyncio.wait_for(subscribed, 5)

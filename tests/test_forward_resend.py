@@ -56,7 +56,9 @@ async def test_every_resend_after_a_failed_delete_is_counted(tmp_path: Path) -> 
             task = asyncio.create_task(fwd.run())
             try:
                 await async_wait_until(
-                    lambda t=task: t.done() or box.records == 0, 20, what="a failure or a drain"
+                    lambda t=task: t.done() or box.records == 0,  # type: ignore[misc]
+                    20,
+                    what="a failure or a drain",
                 )
                 if task.done():
                     task.result()

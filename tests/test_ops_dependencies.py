@@ -26,7 +26,7 @@ def _constraints() -> dict[str, str]:
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             assert version, f"constraints.txt: {line!r} is not an exact pin"
-            pins[canonicalize_name(name)] = version
+            pins[str(canonicalize_name(name))] = version
     return pins
 
 

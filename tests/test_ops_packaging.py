@@ -431,7 +431,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
                 ["dpkg", "--purge", "iggy-edge"], capture_output=True, text=True, check=False
             )
         assert purge.returncode == 0, purge.stdout + purge.stderr
-        for path in (
+        for gone in (
             "/opt/iggy-edge",
             "/etc/iggy-edge",
             "/var/lib/iggy-edge",
@@ -444,7 +444,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             "/lib/systemd/system/mosquitto.service.d/iggy-edge.conf",
             "/etc/systemd/system/multi-user.target.wants/iggy-edge.service",
         ):
-            assert not Path(path).exists(), path
+            assert not Path(gone).exists(), gone
         with pytest.raises(KeyError):
             pwd.getpwnam("iggy-edge")
         assert not installed()

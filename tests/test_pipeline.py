@@ -99,7 +99,7 @@ async def test_ambiguous_failures_duplicate_with_the_same_id(tmp_path: Path, bro
         retries = agent.metrics.value("iggy_edge_forward_ambiguous_retries_total")
         assert agent.metrics.value("iggy_edge_forward_errors_total", kind="ambiguous") == 3
     rows = stored(iggy)
-    ids = {}
+    ids: dict[tuple[str, int], int] = {}
     for key, seq, mid in rows:
         assert ids.setdefault((key, seq), mid) == mid, "a duplicate must carry the same message id"
     assert len(ids) == total  # every message, once by id

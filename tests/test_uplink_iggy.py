@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from apache_iggy import Consumer, Durability, PollingStrategy
@@ -154,7 +155,7 @@ class FakeWorld:
         self.knows_durability = True  # False: like server 0.9.0-edge.5
         self.binary_requests: list[tuple[int, bytes]] = []
 
-    def factory(self, config: object) -> FakeClient:
+    def factory(self, config: object) -> Any:  # a FakeClient where the SDK makes an IggyClient
         c = FakeClient(self)
         self.clients.append(c)
         return c

@@ -366,7 +366,7 @@ class IggyCluster:
             first = self.nodes[0]
             settings = IggySettings(
                 kind="iggy",
-                addresses=self.addresses,
+                addresses=tuple(self.addresses),
                 username=first.username,
                 password=SecretStr(first.password),
             )
