@@ -4,11 +4,18 @@ import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support.broker import Broker, mosquitto_binary
-from tests.support.iggy_server import iggy_cluster, iggy_server  # noqa: F401 -- fixtures, see the module
+
+if TYPE_CHECKING:  # the module loads the native Iggy SDK: only for the tests that use it
+    from tests.support.iggy_server import IggyCluster, IggyServer
+
+# The guard that keeps `pytest -m unit` honest (see the module), and pytester
+# for its own test (tests/test_tiers.py).
+pytest_plugins = ["pytester", "tests.support.tiers"]
 
 
 @pytest.fixture
@@ -21,6 +28,22 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture
+def iggy_server(tmp_path: Path) -> Iterator[IggyServer]:
+    """A fresh iggy-server for one test; skips when the binary is missing."""
+    from tests.support import iggy_server  # noqa: PLC0415 -- the native SDK, only when asked for
+
+    yield from iggy_server.running_server(tmp_path)
+
+
+@pytest.fixture
+def iggy_cluster(tmp_path: Path) -> Iterator[IggyCluster]:
+    """A fresh 3-node iggy-server cluster for one test; skips when the binary is missing."""
+    from tests.support import iggy_server  # noqa: PLC0415 -- the native SDK, only when asked for
+
+    yield from iggy_server.running_cluster(tmp_path)
 
 
 @pytest.fixture(autouse=True)

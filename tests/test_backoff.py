@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from iggy_edge.backoff import backoff_delay
+
+pytestmark = pytest.mark.unit
 
 
 def test_delay_stays_within_the_capped_exponential() -> None:

@@ -8,9 +8,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import typer.main
 from iggy_edge.cli.main import app
 from typer.testing import CliRunner
+
+pytestmark = pytest.mark.unit
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "400", "TERM": "dumb", "NO_COLOR": "1"}

@@ -28,6 +28,8 @@ from iggy_edge.config import (
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.unit
+
 MINIMAL = 'gateway_id = "gw-1"\n'
 
 

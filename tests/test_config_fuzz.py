@@ -121,6 +121,7 @@ def _cases(tmp: Path) -> list[tuple[str, bytes, str]]:
 
 
 @pytest.mark.parametrize("index", range(28))
+@pytest.mark.unit
 def test_each_reported_case_is_refused_naming_its_key(tmp_path: Path, index: int) -> None:
     cases = _cases(tmp_path)
     assert len(cases) == 28

@@ -28,6 +28,7 @@ from tests.support.wait import async_wait_until
 # -- the device table (pure) ----------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_device_table_counts_readings_status_and_versions_per_device() -> None:
     t = DeviceTable()
     t.observe("edge/env-1/status", b"online")
@@ -54,6 +55,7 @@ def test_device_table_counts_readings_status_and_versions_per_device() -> None:
     assert {r["device"]: r["status"] for r in t.rows()}["env-1"] == "offline"
 
 
+@pytest.mark.unit
 def test_device_table_lists_stalest_first_and_counts_stale() -> None:
     t = DeviceTable()
     t.observe("edge/a/up/env", b"1")
@@ -65,6 +67,7 @@ def test_device_table_lists_stalest_first_and_counts_stale() -> None:
     assert t.stale(50) == 0
 
 
+@pytest.mark.unit
 def test_device_table_is_bounded_and_forgets_the_stalest_tenth() -> None:
     t = DeviceTable(max_devices=100)
     for i in range(100):
@@ -181,6 +184,9 @@ async def _feed(broker: Broker, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.5)
 
 
+@pytest.mark.xdist_group(
+    "machine"
+)  # a real browser (CPU-heavy): on the worker of the package builds, not beside them
 async def test_device_view_and_dashboard_in_a_real_browser(broker: Broker, tmp_path: Path) -> None:
     port = free_port()
     settings = make_settings(

@@ -181,6 +181,7 @@ def test_errors_are_clear(gw: GatewayBroker, tmp_path: Path) -> None:
     assert "no pid file at" in r.output
 
 
+@pytest.mark.unit
 def test_reload_without_systemd_or_pid_file_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     if Path("/run/systemd/system").is_dir() or creds.MOSQUITTO_PID_FILE.exists():
         pytest.skip("a system Mosquitto may run here: not testing the 'none found' error")
@@ -189,6 +190,7 @@ def test_reload_without_systemd_or_pid_file_says_what_to_do(monkeypatch: pytest.
 
 
 # -- the gateway CA ---------------------------------------------------------------------------
+@pytest.mark.unit
 def test_ca_init_creates_once_and_issues_a_server_cert_for_the_names(tmp_path: Path) -> None:
     ca_dir, crt, key = tmp_path / "ca", tmp_path / "certs" / "server.crt", tmp_path / "certs" / "server.key"
     argv = [

@@ -21,6 +21,7 @@ from tests.support.ports import free_port
 from tests.support.wait import async_wait_until
 
 
+@pytest.mark.unit
 def test_durations() -> None:
     assert [parse_duration(t) for t in ("90", "90s", "10m", "2h", "1d", "1.5m")] == [
         90,
@@ -75,6 +76,7 @@ async def test_list_stale_device_and_json(broker: Broker, tmp_path: Path) -> Non
     assert doc["devices"][0]["stale"] is True
 
 
+@pytest.mark.unit
 def test_no_agent_is_a_clear_error(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text(

@@ -318,7 +318,7 @@ async def test_clean_restarts_never_deliver_twice(tmp_path: Path, broker: Broker
                 sent += batch
                 ids = [c.id for c in sent]
                 await async_wait_until(
-                    lambda ids=ids: all(states(settings).get(i) == "delivered" for i in ids),
+                    lambda ids=ids: all(states(settings).get(i) == "delivered" for i in ids),  # type: ignore[misc]
                     what="round delivered",
                 )
         # One more clean restart, with a marker command through the agent: a

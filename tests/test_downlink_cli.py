@@ -91,7 +91,7 @@ async def test_list_shows_states_and_offsets(tmp_path: Path) -> None:
 async def test_send_and_push_through_a_real_iggy_server(
     tmp_path: Path, broker: Broker, iggy_server: IggyServer
 ) -> None:
-    iggy = {
+    iggy: dict[str, object] = {
         "kind": "iggy",
         "address": iggy_server.address,
         "username": iggy_server.username,

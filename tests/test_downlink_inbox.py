@@ -26,6 +26,8 @@ from iggy_edge.inbox_admin import read_commands, read_offsets
 
 from tests.support.downlink import downlink_settings
 
+pytestmark = pytest.mark.unit
+
 NOW = 1_700_000_000.0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import gmqtt
+import pytest
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.cli.main import app
 from iggy_edge.config import Settings
@@ -40,8 +41,8 @@ from typer.testing import CliRunner
 
 from tests.support.broker import Broker
 from tests.support.downlink import FreezableProxy, downlink_settings
+from tests.support.return_path import running
 from tests.support.wait import async_wait_until
-from tests.test_downlink_agent import running
 
 DEVICES = ("dev-a", "dev-b", "dev-c")
 REPUBLISHED = "iggy_edge_config_republished_total"
@@ -74,7 +75,7 @@ class Watcher:
         client = gmqtt.Client(f"watcher-{id(self)}", clean_session=True)
         subscribed = asyncio.get_running_loop().create_future()
         client.on_message = self._on_message
-        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)
+        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)  # type: ignore[func-returns-value]
         await client.connect("127.0.0.1", self.port, version=MQTTv50)
         client.subscribe([gmqtt.Subscription(f, qos=1) for f in self.filters])
         await asyncio.wait_for(subscribed, 5)
@@ -403,6 +404,7 @@ async def test_config_republish_against_a_running_agent(tmp_path: Path) -> None:
 # -- the inbox's side of a restore, without a broker ------------------------------------
 
 
+@pytest.mark.unit
 async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)
@@ -442,6 +444,7 @@ async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path
         await inbox.close()
 
 
+@pytest.mark.unit
 def test_cli_republish_without_a_buffer_says_so(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     result = CliRunner().invoke(app, ["config", "republish", "-c", str(write_config(tmp_path, settings))])

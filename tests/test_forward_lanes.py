@@ -9,6 +9,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from iggy_edge.config import BufferSettings, ForwardSettings
 from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
@@ -20,6 +21,8 @@ from iggy_edge.uplink.partition import partition_for
 from iggy_edge.uplink.protocol import Lane
 
 from tests.support.wait import async_wait_until
+
+pytestmark = pytest.mark.unit
 
 BIG = 1 << 30
 PARTITIONS = 3

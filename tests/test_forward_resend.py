@@ -9,6 +9,7 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from iggy_edge.config import BufferSettings, ForwardSettings
 from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
@@ -17,6 +18,8 @@ from iggy_edge.store import Incoming, Outbox
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.wait import async_wait_until
+
+pytestmark = pytest.mark.unit
 
 
 async def test_every_resend_after_a_failed_delete_is_counted(tmp_path: Path) -> None:
@@ -53,7 +56,9 @@ async def test_every_resend_after_a_failed_delete_is_counted(tmp_path: Path) -> 
             task = asyncio.create_task(fwd.run())
             try:
                 await async_wait_until(
-                    lambda t=task: t.done() or box.records == 0, 20, what="a failure or a drain"
+                    lambda t=task: t.done() or box.records == 0,  # type: ignore[misc]
+                    20,
+                    what="a failure or a drain",
                 )
                 if task.done():
                     task.result()

@@ -7,7 +7,10 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import pytest
 from iggy_edge.gateway_ca import CaPaths, init
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_symlink_planted_at_the_temp_name_is_not_followed(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from iggy_edge.routing import Router
 
 from tests.support.agent import make_settings
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def fresh_check() -> Iterator[None]:

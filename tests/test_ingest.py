@@ -69,7 +69,9 @@ async def test_qos1_is_acknowledged_only_after_commit(tmp_path: Path, broker: Br
             broker.host, broker.port, "pub-ack", [("edge/dev-ack/up/env", reading(i)) for i in range(n)]
         )
         await async_wait_until(
-            lambda: len(held) + agent.outbox.pending_count == n, 10, what="all messages handed to the outbox"
+            lambda: agent.outbox is not None and len(held) + agent.outbox.pending_count == n,
+            10,
+            what="all messages handed to the outbox",
         )
         kill_connection(agent)
         release.set()

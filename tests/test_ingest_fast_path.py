@@ -119,7 +119,7 @@ async def test_an_unexpected_error_closes_the_session_which_reconnects(
                 raise RuntimeError("simulated bug in the message path")
             return real_accept(topic, *args)
 
-        agent.ingest._accept = buggy_once  # type: ignore[method-assign]  # noqa: SLF001 - as above
+        agent.ingest._accept = buggy_once  # type: ignore[method-assign, assignment]  # noqa: SLF001 - as above
         await publish_all(broker.host, broker.port, "pub-bug", [("edge/dev-bug/up/env", reading(1))])
         await async_wait_until(lambda: agent.outbox is not None and agent.outbox.records == 1, 20)
         assert failed == ["edge/dev-bug/up/env"]

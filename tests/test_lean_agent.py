@@ -80,9 +80,9 @@ CLI_ONLY = [
 def _ingest_up(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-            return json.loads(resp.read())["ingest"] == "up"
+            return bool(json.loads(resp.read())["ingest"] == "up")
     except urllib.error.HTTPError as e:  # 503 while not healthy yet; the body says why
-        return json.loads(e.read()).get("ingest") == "up"
+        return bool(json.loads(e.read()).get("ingest") == "up")
     except OSError:
         return False
 

@@ -10,6 +10,8 @@ from gmqtt.mqtt.constants import MQTTv50
 from gmqtt.mqtt.handler import MqttPackageHandler
 from iggy_edge import mqtt_codec as c
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("n", "wire"),
@@ -139,7 +141,7 @@ def test_properties_agree_with_gmqtt() -> None:
 
 
 def test_publish_with_properties_comes_back_raw() -> None:
-    props = [(0x02, 60), (0x26, ("k", "v"))]
+    props: list[tuple[int, int | str | bytes | tuple[str, str]]] = [(0x02, 60), (0x26, ("k", "v"))]
     wire = c.publish("a", b"p", qos=1, mid=3, version=c.MQTT5, props=props)
     ((first, body),) = c.split_packets(wire)[0]
     qos, mid, topic, payload, raw = c.parse_publish(first, body, v5=True)

@@ -21,6 +21,8 @@ from iggy_edge.broker_checks import check_broker
 from iggy_edge.config import MqttSettings, parse_config
 from iggy_edge.gmqtt_hooks import own_reconnect
 
+pytestmark = pytest.mark.unit
+
 
 class SilentPeer:
     """Accepts TCP, reads whatever comes, never answers; `closed` is set

@@ -9,8 +9,11 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -23,7 +26,7 @@ def _constraints() -> dict[str, str]:
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             assert version, f"constraints.txt: {line!r} is not an exact pin"
-            pins[canonicalize_name(name)] = version
+            pins[str(canonicalize_name(name))] = version
     return pins
 
 

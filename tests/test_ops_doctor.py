@@ -71,6 +71,7 @@ def test_reachable_broker_passes(tmp_path: Path, broker: Broker) -> None:
     assert "no-mosquitto.conf on this machine (name another with --mosquitto-conf PATH)" in text
 
 
+@pytest.mark.unit
 def test_unreachable_broker_fails_with_advice(tmp_path: Path) -> None:
     code, checks, text = doctor(write_config(tmp_path, port=free_port()))
     assert code == 1
@@ -177,6 +178,7 @@ def test_disk_check_counts_the_dead_letter_bound(tmp_path: Path, broker: Broker)
         assert "max_dead_letter_bytes" in checks["disk"]["detail"]
 
 
+@pytest.mark.unit
 def test_clock_before_2024_fails() -> None:
     bad = check_clock(now=0.0)
     assert bad.status == "fail"
@@ -185,6 +187,7 @@ def test_clock_before_2024_fails() -> None:
     assert check_clock(now=time.time()).status in ("ok", "warn")
 
 
+@pytest.mark.unit
 def test_invalid_config_fails_and_skips_the_rest(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text('gateway_id = "bad id!"\n[mqtt]\nport = 99999\n')
@@ -197,6 +200,7 @@ def test_invalid_config_fails_and_skips_the_rest(tmp_path: Path) -> None:
     assert "fix: edit" in out
 
 
+@pytest.mark.unit
 def test_env_file_parsing(tmp_path: Path) -> None:
     f = tmp_path / "env"
     f.write_text("# c\n\nA=1\nB=\"two words\"\n; other comment\nC='x=y'\nnot a pair\n")
@@ -282,6 +286,7 @@ def test_iggy_of_another_protocol_version_is_named(tmp_path: Path, broker: Broke
 SNIPPET = Path(__file__).resolve().parent.parent / "packaging" / "mosquitto" / "iggy-edge.conf"
 
 
+@pytest.mark.unit
 def test_broker_config_check_reads_the_include_dir(tmp_path: Path) -> None:
     """The local Mosquitto's options that decide what the agent's session
     keeps (docs/operations.md): read like Mosquitto reads them, main file

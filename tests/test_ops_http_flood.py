@@ -210,7 +210,7 @@ def test_flood_of_connections_leaves_health_and_mqtt_working(
                     asyncio.run(publish_all(broker.host, broker.port, f"flood-pub-{round_}", msgs))
                     want = 20 * (round_ + 1)
                     wait_until(
-                        lambda want=want: _committed(port) >= want,
+                        lambda want=want: _committed(port) >= want,  # type: ignore[misc]
                         20,
                         what=f"{want} records committed during the flood",
                     )

@@ -34,6 +34,9 @@ from tests.support.broker import Broker
 from tests.support.ports import free_port, wait_port
 from tests.support.wait import wait_until
 
+# the module-scoped agent: one per run, not one per xdist worker
+pytestmark = pytest.mark.xdist_group("ops_http_fuzz")
+
 BINARY = Path(sys.executable).parent / "iggy-edge"
 STATUS_LINE = re.compile(rb"HTTP/1\.0 (\d{3}) [A-Za-z ]+\r\n")
 # Time a complete request may take to be answered (the endpoint answers at

@@ -29,6 +29,9 @@ from tests.support.broker import mosquitto_binary
 from tests.support.gateway_broker import GatewayBroker
 from tests.support.ports import free_port, wait_port
 
+# dpkg -i, /etc and the heavy package builds: on one xdist worker, one after another
+pytestmark = pytest.mark.xdist_group("machine")
+
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "packaging" / "deb" / "build.sh"
 UNIT_FILE = REPO / "packaging" / "systemd" / "iggy-edge.service"
@@ -152,7 +155,9 @@ def test_service_install_dry_run_and_into_a_root(tmp_path: Path) -> None:
         f"ExecStart={Path(sys.executable).parent / 'iggy-edge'} run -c /etc/iggy-edge/config.toml"
         in dry.stdout
     )
-    assert not Path("/etc/systemd/system/iggy-edge.service").exists() or installed()
+    # the dpkg test of another run may hold the package installed right now
+    with machine_lock():
+        assert not Path("/etc/systemd/system/iggy-edge.service").exists() or installed()
 
     root = tmp_path / "image"
     done = runner.invoke(app, ["service", "install", "--root", str(root), "-c", "/etc/iggy-edge/config.toml"])
@@ -426,7 +431,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
                 ["dpkg", "--purge", "iggy-edge"], capture_output=True, text=True, check=False
             )
         assert purge.returncode == 0, purge.stdout + purge.stderr
-        for path in (
+        for gone in (
             "/opt/iggy-edge",
             "/etc/iggy-edge",
             "/var/lib/iggy-edge",
@@ -439,7 +444,7 @@ def test_deb_build_inspect_install_remove_purge(tmp_path: Path) -> None:
             "/lib/systemd/system/mosquitto.service.d/iggy-edge.conf",
             "/etc/systemd/system/multi-user.target.wants/iggy-edge.service",
         ):
-            assert not Path(path).exists(), path
+            assert not Path(gone).exists(), gone
         with pytest.raises(KeyError):
             pwd.getpwnam("iggy-edge")
         assert not installed()

@@ -87,7 +87,7 @@ async def test_ready_only_once_the_stages_are_up_then_watchdog_then_stopping(
     finally:
         agent.stop()
         await asyncio.wait_for(task, 15)
-    rest = []
+    rest: list[str] = []
     while not rest or rest[-1] != "STOPPING=1":
         rest.append(await _recv(notify_socket))
     assert all(r.startswith("WATCHDOG=1\n") for r in rest[:-1])

@@ -99,7 +99,7 @@ async def test_ambiguous_failures_duplicate_with_the_same_id(tmp_path: Path, bro
         retries = agent.metrics.value("iggy_edge_forward_ambiguous_retries_total")
         assert agent.metrics.value("iggy_edge_forward_errors_total", kind="ambiguous") == 3
     rows = stored(iggy)
-    ids = {}
+    ids: dict[tuple[str, int], int] = {}
     for key, seq, mid in rows:
         assert ids.setdefault((key, seq), mid) == mid, "a duplicate must carry the same message id"
     assert len(ids) == total  # every message, once by id
@@ -171,6 +171,7 @@ class GatedUplink(MemoryUplink):
         await super().send_lane(lane, records)
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_stop_finishes_the_batch_in_flight_within_the_bound(tmp_path: Path, broker: Broker) -> None:
     iggy = MemoryIggy()
     uplink = GatedUplink(iggy, delay=1.0)

@@ -12,6 +12,9 @@ import pytest
 from iggy_edge import probe
 from iggy_edge.probe import backoff_wait
 
+# wall-clock bounds: one after another on one xdist worker
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("timing")]
+
 
 class Remote:
     """Unreachable until `up_at` (monotonic), reachable from then on; counts probes."""

@@ -108,11 +108,12 @@ async def test_poison_commands_are_dead_lettered_and_the_next_one_is_delivered(
 
 
 @pytest.mark.parametrize("name", sorted(POISON))
+@pytest.mark.unit
 def test_the_boundary_refuses_each_poison_without_raising(name: str) -> None:
     got = read_command(POISON[name], now=1.7e9, default_ttl_s=60)
     assert not hasattr(got, "device_payload"), got
-    assert got.reason == INVALID_COMMAND  # type: ignore[union-attr]
-    assert got.detail.isprintable()  # type: ignore[union-attr]
+    assert got.reason == INVALID_COMMAND
+    assert got.detail.isprintable()
 
 
 # Issue 18 item 2(a): device ids a PUBLISH could trip on are refused at poll time.
@@ -149,6 +150,7 @@ async def test_commands_for_unusable_device_ids_are_dead_lettered_with_the_offse
         assert [r.id for r in read_commands(settings.buffer_path)] == [good.id]
 
 
+@pytest.mark.unit
 def test_a_trailing_newline_is_refused_by_the_parser_and_the_credentials_check() -> None:
     with pytest.raises(CredentialsError):
         check_device_id("dev1\n")
@@ -160,11 +162,12 @@ def test_a_trailing_newline_is_refused_by_the_parser_and_the_credentials_check()
 # -- the inbox insert refusing one row (a parser gap) must not wedge the partition
 
 
+@pytest.mark.unit
 async def test_a_row_the_inbox_refuses_is_dead_lettered_and_the_rest_stored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = downlink_settings(tmp_path, iggy={"partitions": 1})
-    real_read = poll_module.read_command
+    real_read = poll_module.read_command  # type: ignore[attr-defined]
 
     def gap(payload: bytes, *, now: float, default_ttl_s: float) -> object:
         """A parser that lets an unencodable command through (the gap the
@@ -191,6 +194,7 @@ async def test_a_row_the_inbox_refuses_is_dead_lettered_and_the_rest_stored(
         assert not h.task.done()
 
 
+@pytest.mark.unit
 async def test_the_inbox_names_the_row_it_refuses_and_stores_nothing(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)
@@ -209,6 +213,7 @@ async def test_the_inbox_names_the_row_it_refuses_and_stores_nothing(tmp_path: P
 # -- item 9: desired configs for devices never seen are bounded
 
 
+@pytest.mark.unit
 async def test_configs_beyond_max_config_devices_are_dead_lettered(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path, iggy={"partitions": 1}, downlink={"max_config_devices": 3})
     async with poll_harness(settings) as h:
@@ -261,6 +266,7 @@ async def test_another_devices_ack_is_refused_counted_and_dead_lettered(
         assert r.metric("iggy_edge_downlink_commands_total", state="acked") == 1
 
 
+@pytest.mark.unit
 async def test_another_devices_ack_while_received_does_not_suppress_delivery(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)
@@ -280,6 +286,7 @@ async def test_another_devices_ack_while_received_does_not_suppress_delivery(tmp
 # -- item 9: `command list` prints untrusted text escaped
 
 
+@pytest.mark.unit
 async def test_command_list_escapes_what_the_cloud_side_and_devices_wrote(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)
@@ -304,6 +311,7 @@ async def test_command_list_escapes_what_the_cloud_side_and_devices_wrote(tmp_pa
     assert "device: boom\\x1b[31m\\x07" in result.output
 
 
+@pytest.mark.unit
 async def test_command_list_shows_the_result_the_device_sent(tmp_path: Path) -> None:
     settings = downlink_settings(tmp_path)
     inbox = await Inbox.open(settings.buffer_path, settings)

@@ -8,6 +8,8 @@ from iggy_edge.config import RouteSettings
 from iggy_edge.records import Route
 from iggy_edge.routing import DeadLetterReason, Rejected, Router, check_topic, topic_matches
 
+pytestmark = pytest.mark.unit
+
 
 def rules(*specs: tuple[str, str, int | None]) -> list[RouteSettings]:
     return [RouteSettings(filter=f, stream="edge", topic=t, key_level=k) for f, t, k in specs]

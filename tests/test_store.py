@@ -18,6 +18,8 @@ from iggy_edge.records import Route, gateway_hash32, make_message_id, split_mess
 from iggy_edge.store import ROW_OVERHEAD, Incoming, Outbox, device_seq_of
 from iggy_edge.store.devices import water_fill
 
+pytestmark = pytest.mark.unit
+
 GW = "gw-store"
 BIG = 1 << 40
 

@@ -9,10 +9,13 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from iggy_edge.config import BufferSettings
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
+
+pytestmark = pytest.mark.unit
 
 
 async def test_commits_confirms_and_expiry_interleave_without_errors(tmp_path: Path) -> None:

@@ -7,12 +7,15 @@ import asyncio
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from iggy_edge.buffer_admin import read_dead_letters, read_stats
 from iggy_edge.config import BufferSettings
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
 from iggy_edge.store.dead import DEAD_GROUP_MAX, DEAD_GROUP_MAX_BYTES
+
+pytestmark = pytest.mark.unit
 
 
 async def open_box(path: Path, metrics: Metrics, **kw: object) -> Outbox:

@@ -17,6 +17,8 @@ from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("sizes", [[1, 2, 3, 127, 128, 129], [255, 256, 257, 300, 383, 1]])
 async def test_groups_of_any_size_keep_order_and_window_rows(tmp_path: Path, sizes: list[int]) -> None:

@@ -23,6 +23,8 @@ from iggy_edge.records import (
 from iggy_edge.store import Incoming, Outbox, StoreError, reader
 from iggy_edge.store.schema import ROW_OVERHEAD
 
+pytestmark = pytest.mark.unit
+
 GW = "gw-migrate"
 BIG = 1 << 30
 

@@ -14,6 +14,7 @@ import asyncio
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from iggy_edge.config import ForwardSettings
 from iggy_edge.forward import Forwarder
 from iggy_edge.metrics import Metrics
@@ -23,6 +24,8 @@ from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.wait import async_wait_until
 from tests.test_store import buffer_settings, incoming, open_box, submit_all
+
+pytestmark = pytest.mark.unit
 
 MiB = 1 << 20
 

@@ -30,6 +30,8 @@ from tests.support.tmpfs import fill_disk
 from tests.support.tmpfs import small_tmpfs as tmpfs
 from tests.support.wait import async_wait_until
 
+pytestmark = pytest.mark.unit
+
 GW = "gw-recovery"
 PAGE = 4096
 
@@ -59,7 +61,7 @@ async def fill(path: Path, n: int, *, close: bool = True, size: int = 100) -> Ou
 
 async def drain_all(box: Outbox) -> list[tuple[int, int, bytes]]:
     """(seq, message id, payload) of every record, oldest first."""
-    out = []
+    out: list[tuple[int, int, bytes]] = []
     while True:
         batch = await box.read_batch(1000, 1 << 30)
         if not batch:
@@ -265,7 +267,7 @@ async def test_a_corruption_code_with_an_intact_file_is_not_moved(tmp_path: Path
     path = tmp_path / "buffer.db"
     await fill(path, 10)
     err = sqlite3.DatabaseError("database disk image is malformed")
-    err.sqlite_errorcode = sqlite3.SQLITE_CORRUPT  # type: ignore[attr-defined]
+    err.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
     assert not await recover(path, err, None, [])
     assert path.exists()
     assert not list(tmp_path.glob("*.corrupt-*"))

@@ -103,6 +103,7 @@ def test_cluster_metadata_decodes_roles_and_statuses() -> None:
         decode_cluster_metadata(reply[:-3])
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_first_reachable_is_one_tcp_connect_per_node() -> None:
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -133,6 +134,7 @@ def iggy_settings(nodes: list[str], user: str, password: str, **kw: object) -> I
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_an_unreachable_first_node_is_skipped_at_once(iggy_server: IggyServer) -> None:
     dead = f"127.0.0.1:{free_port()}"
     s = iggy_settings([dead, iggy_server.address], iggy_server.username, iggy_server.password)
@@ -152,6 +154,7 @@ async def test_an_unreachable_first_node_is_skipped_at_once(iggy_server: IggySer
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_a_node_that_stops_answering_is_left_for_the_next(
     tmp_path: Path, iggy_server: IggyServer
 ) -> None:

@@ -12,6 +12,8 @@ from iggy_edge.uplink.file import FileUplink, decode_payload, read_records
 from iggy_edge.uplink.partition import partition_for
 from iggy_edge.uplink.protocol import Uplink, UplinkUnavailable
 
+pytestmark = pytest.mark.unit
+
 
 def rec(seq: int, key: str, payload: bytes | None = None) -> OutboundRecord:
     return OutboundRecord(

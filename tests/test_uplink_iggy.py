@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from apache_iggy import Consumer, Durability, PollingStrategy
@@ -154,7 +155,7 @@ class FakeWorld:
         self.knows_durability = True  # False: like server 0.9.0-edge.5
         self.binary_requests: list[tuple[int, bytes]] = []
 
-    def factory(self, config: object) -> FakeClient:
+    def factory(self, config: object) -> Any:  # a FakeClient where the SDK makes an IggyClient
         c = FakeClient(self)
         self.clients.append(c)
         return c
@@ -286,6 +287,7 @@ async def test_fake_send_groups_by_partition_one_request_each(fake: FakeWorld) -
     assert sum(len(v) for v in requests.values()) == 31
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_fake_timeout_is_ambiguous_with_confirmed_and_reconnects(fake: FakeWorld) -> None:
     fake.streams.add("edge")
     fake.topics[("edge", "telemetry")] = 1
@@ -439,6 +441,7 @@ async def test_missing_topic_without_create_is_rejected_with_confirmed_prefix(
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_stopped_server_fails_fast_and_reconnects_when_back(
     iggy_server: IggyServer,
 ) -> None:
@@ -475,6 +478,7 @@ async def test_stopped_server_fails_fast_and_reconnects_when_back(
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_unreachable_and_bad_login_raise_unavailable_in_time(
     iggy_server: IggyServer,
 ) -> None:
@@ -584,6 +588,7 @@ async def test_topics_we_create_keep_confirmed_sends_across_a_kill(iggy_server: 
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_frozen_server_times_out_within_request_timeout(iggy_server: IggyServer) -> None:
     s = settings_for(iggy_server, request_timeout_s=1.5, connect_timeout_s=1.5)
     up = IggyUplink(s, GW, topics=[("edge", "telemetry")])
@@ -608,6 +613,7 @@ async def test_frozen_server_times_out_within_request_timeout(iggy_server: IggyS
 
 
 @pytest.mark.iggy
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 async def test_tls_validates_against_the_configured_ca(iggy_tls_server: IggyServer) -> None:  # noqa: F811
     server = iggy_tls_server
     assert server.tls is not None

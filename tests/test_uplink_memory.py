@@ -28,6 +28,8 @@ from iggy_edge.uplink.protocol import (
     UplinkUnavailable,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def rec(seq: int, key: str, topic: str = "telemetry", payload: bytes | None = None) -> OutboundRecord:
     return OutboundRecord(

@@ -121,6 +121,7 @@ def test_esptool_command_lines(tmp_path: Path) -> None:
     assert all(opt in top for opt in ("--chip", "--port", "--baud"))
 
 
+@pytest.mark.unit
 def test_chip_and_probe_parsing() -> None:
     # esptool 5's banner (esptool/__init__.py: "Connected to {CHIP_NAME} on {port}:")
     assert parse_chip("Connecting....\nConnected to ESP32-S3 on /dev/ttyACM0:\n") == "ESP32-S3"
@@ -161,6 +162,7 @@ def _staged(tmp_path: Path, *, mpy: bool) -> dict[str, Path]:
     return stage(root, "env_sensor", tmp_path / "staging", cfg, {"wifi_password": "x"}, mpy=mpy)
 
 
+@pytest.mark.unit
 def test_plan_enters_safe_mode_removes_the_old_library_and_leaves_safe_mode_last(tmp_path: Path) -> None:
     files = _staged(tmp_path, mpy=False)
     plan = build_plan("/dev/ttyUSB0", files, tmp_path)
@@ -372,6 +374,7 @@ def test_provisioning_stops_before_touching_the_board_when_the_mpy_version_diffe
 ESP32C5_CHIP_ID = 23
 
 
+@pytest.mark.unit
 def test_image_offsets_are_the_installed_esptools_bootloader_offsets(tmp_path: Path) -> None:
     """ESP32-C5 and -P4 boot from 0x2000 (MicroPython's download pages, and
     esptool's own table): an image written at 0x0 does not boot."""

@@ -182,7 +182,7 @@ def test_thirty_commands_queued_for_a_sleeping_board_all_run(
     acks = log.json("/up/ack")
     assert all(a["status"] == "ok" for a in acks)
     # each ran once (a redelivered one is acknowledged again, not run again)
-    first = {}
+    first: dict[str, Any] = {}
     for a in acks:
         first.setdefault(a["id"], a)
     assert [first[c]["result"]["period_ms"] for c in ids] == [1000 + i for i in range(30)]

@@ -16,6 +16,8 @@ from iggy_device.backoff import Backoff
 from iggy_device.ring import Ring
 from iggy_device.seq import Sequence
 
+pytestmark = pytest.mark.unit
+
 
 def _rec_id(rec: tuple[str, bytes] | None) -> int:
     assert rec is not None

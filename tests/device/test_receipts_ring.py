@@ -15,6 +15,8 @@ import pytest
 from iggy_device.receipts import release
 from iggy_device.ring import Ring, seq_of
 
+pytestmark = pytest.mark.unit
+
 
 def _payload(rid: int, seq: int | None) -> bytes:
     doc: dict[str, object] = {"i": rid}

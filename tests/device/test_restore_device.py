@@ -19,8 +19,8 @@ from iggy_edge.uplink.memory import MemoryIggy
 from tests.support.broker import Broker
 from tests.support.downlink import downlink_settings
 from tests.support.micropython import Board, Flash, require_micropython
+from tests.support.return_path import running
 from tests.support.wait import async_wait_until
-from tests.test_downlink_agent import running
 from tests.test_downlink_restore import config_states
 
 pytestmark = pytest.mark.micropython

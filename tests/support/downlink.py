@@ -73,7 +73,7 @@ class DeviceSubscriber:
         client = gmqtt.Client(self.client_id, clean_session=True)
         subscribed = asyncio.get_running_loop().create_future()
         client.on_message = self._on_message
-        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)
+        client.on_subscribe = lambda *_: subscribed.done() or subscribed.set_result(None)  # type: ignore[func-returns-value]
         self._client = client
         try:
             await client.connect(self.host, self.port, version=MQTTv50)

@@ -5,6 +5,8 @@ server-0.9.0-edge.5: ``cargo build --release -p server --bin iggy-server``;
 it links against hwloc and udev, so install libhwloc-dev and libudev-dev first;
 then copy target/release/iggy-server onto PATH).  When
 it is missing, the `iggy_server` fixture skips the test with a reason.
+This module loads the native Iggy SDK: tests/conftest.py imports it only
+when a test asks for a server, so the fast tier (`pytest -m unit`) never does.
 
 Configuration is by environment (the server reads ``IGGY_`` variables over
 its embedded config.toml, see core/configs/src/server_config/server.rs):
@@ -364,7 +366,7 @@ class IggyCluster:
             first = self.nodes[0]
             settings = IggySettings(
                 kind="iggy",
-                addresses=self.addresses,
+                addresses=tuple(self.addresses),
                 username=first.username,
                 password=SecretStr(first.password),
             )
@@ -414,10 +416,9 @@ class IggyCluster:
             node.stop()
 
 
-@pytest.fixture
-def iggy_cluster(tmp_path: Path) -> Iterator[IggyCluster]:
+def running_cluster(tmp_path: Path) -> Iterator[IggyCluster]:
     """A fresh 3-node iggy-server cluster for one test; skips when the binary
-    is missing."""
+    is missing (the `iggy_cluster` fixture of tests/conftest.py)."""
     if iggy_server_binary() is None:
         pytest.skip(SKIP_REASON)
     cluster = IggyCluster(tmp_path / "cluster").start()
@@ -427,9 +428,9 @@ def iggy_cluster(tmp_path: Path) -> Iterator[IggyCluster]:
         cluster.stop()
 
 
-@pytest.fixture
-def iggy_server(tmp_path: Path) -> Iterator[IggyServer]:
-    """A fresh iggy-server for one test; skips when the binary is missing."""
+def running_server(tmp_path: Path) -> Iterator[IggyServer]:
+    """A fresh iggy-server for one test; skips when the binary is missing
+    (the `iggy_server` fixture of tests/conftest.py)."""
     if iggy_server_binary() is None:
         pytest.skip(SKIP_REASON)
     server = IggyServer(tmp_path / "iggy").start()

@@ -48,6 +48,8 @@ class Publisher:
         self._reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(self.host, self.port), timeout
         )
+        assert self._reader is not None
+        assert self._writer is not None
         self._writer.write(codec.connect(self.client_id, keepalive=60))
         head = await asyncio.wait_for(self._reader.readexactly(4), timeout)
         if head[0] != codec.CONNACK or codec.parse_connack(head[2:])[1] != 0:
