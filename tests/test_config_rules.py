@@ -43,7 +43,9 @@ def test_a_device_id_is_never_checked_with_the_gateway_rule():
         ({"iggy": {"kind": "iggy", "address": "h:8090\n"}}, "iggy"),
     ],
 )
-def test_names_and_addresses_with_a_trailing_newline_are_refused(tmp_path: Path, raw: dict, key: str):
+def test_names_and_addresses_with_a_trailing_newline_are_refused(
+    tmp_path: Path, raw: dict[str, object], key: str
+):
     assert key in problems(tmp_path, **raw)
 
 

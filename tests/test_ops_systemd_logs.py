@@ -28,7 +28,8 @@ from iggy_edge.logs import (
     priority,
     setup_logging,
 )
-from iggy_edge.runtime import Health, build_agent
+from iggy_edge.runtime import build_agent
+from iggy_edge.stages import Health
 from iggy_edge.systemd import Notifier, systemd_notify
 
 from tests.support.agent import make_settings

@@ -104,9 +104,12 @@ async def test_receipts_publish_through_the_session_that_owns_the_client(tmp_pat
 async def test_receipts_and_device_acks_follow_the_topic_layout(tmp_path: Path) -> None:
     s = settings(tmp_path)
     sent: list[str] = []
-    r = Receipts(
-        ReceiptSettings(min_interval_ms=0), Metrics(), lambda t, p, k: sent.append(t) or True, s.topics
-    )
+
+    def publish(topic: str, payload: bytes, retain: bool) -> bool:
+        sent.append(topic)
+        return True
+
+    r = Receipts(ReceiptSettings(min_interval_ms=0), Metrics(), publish, s.topics)
     r.observe_group([("site/d1/up/env", b'{"seq":1}'), ("edge/d2/up/env", b'{"seq":1}')])
     assert sent == ["site/d1/down/receipt"]
     acks = AckListener(s, cast(Any, None), Metrics(), cast(Any, None))

@@ -58,6 +58,7 @@ def test_the_inbox_cli_half_lives_beside_buffer_admin() -> None:
     assert importlib.util.find_spec("iggy_edge.downlink.views") is None
     assert inbox.__file__ is not None
     assert _lines(Path(inbox.__file__)) <= MAX_LINES
+    assert admin.__file__ is not None
     assert Path(admin.__file__).parent == STORE.parent
 
 
