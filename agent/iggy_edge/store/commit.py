@@ -18,7 +18,7 @@ from ..config import BufferSettings
 from ..metrics import Metrics
 from ..records import Route
 from ..timeouts import wait_for
-from .base import Backlog, Handover, Part, RecentKey, redelivery_key
+from .base import Backlog, Handover, Part, RecentKey, recent_key, redelivery_key
 from .bounds import Bounds
 from .db import Database, StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
