@@ -16,9 +16,7 @@ class Backoff:
 
     def next_ms(self):
         """Delay before the next attempt; each call counts one failure."""
-        ceiling = self.base_ms << min(self.attempts, 20)
-        if ceiling > self.cap_ms:
-            ceiling = self.cap_ms
+        ceiling = min(self.base_ms << min(self.attempts, 20), self.cap_ms)
         self.attempts += 1
         half = ceiling // 2
         return half + self._rand(ceiling - half)

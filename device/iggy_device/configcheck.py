@@ -60,7 +60,6 @@ DEFAULTS = {
 }
 
 
-
 def merged(values):
     """``values`` over the defaults, checked: a new dict, or ConfigError."""
     merged = dict(DEFAULTS)
@@ -82,7 +81,8 @@ def merged(values):
         merged["ntp_host"] = merged["broker"]
     elif not isinstance(merged["ntp_host"], str) or not merged["ntp_host"]:
         raise ConfigError("ntp_host must be a host name or address")
-    if merged["safe_pin"] is not None and not (isinstance(merged["safe_pin"], int) and merged["safe_pin"] >= 0):
+    pin = merged["safe_pin"]
+    if pin is not None and not (isinstance(pin, int) and pin >= 0):
         raise ConfigError("safe_pin must be a pin number or null")
     for k in (
         "port",

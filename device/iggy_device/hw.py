@@ -4,20 +4,14 @@
 # ``start()`` is how an example boots: safe mode, then its main() under a
 # last-resort guard.
 import gc
-import sys
 import time
 
 import machine
 import network
 
-from . import fsutil
 
 _EPOCH_2000 = 946684800  # ports whose time() counts from 2000
 _CLOCK_VALID = 1672531200  # 2023-01-01: anything earlier means "not set"
-
-
-SAFE_FILE = "safe"  # /safe on the board: boot to the REPL, start nothing
-FATAL_FILE = "fatal.txt"  # the last uncaught exception, for a board without a console
 
 
 class Hardware:
@@ -130,52 +124,28 @@ def _nolog(*args):
 
 
 # -- boot ----------------------------------------------------------------------
-def safe_mode(pin=None):
-    """Why the board must not start its application (None: start it).
-
-    ``/safe`` exists (provisioning writes it, and removes it as its last
-    step), or ``pin`` is held low at boot (the BOOT button on GPIO0 of most
-    ESP32 boards, for a board that deep-sleeps and cannot be reached).
-    Nothing is started in safe mode, the watchdog least of all: on ESP32 a
-    soft reset does not stop a started ``machine.WDT``."""
-    if fsutil.exists(SAFE_FILE):
-        return "/" + SAFE_FILE + " exists"
-    if pin is not None and machine.Pin(pin, machine.Pin.IN, machine.Pin.PULL_UP).value() == 0:
-        return "pin " + str(pin) + " held low"
-    return None
-
-
 def start(main, battery=False):
     """Boot an example: ``main(cfg)`` unless in safe mode, under a last
-    resort guard.  An exception nothing else caught is printed and kept in
-    ``fatal.txt``; then the board deep-sleeps ``period_ms`` (battery) or
-    resets after 10 s (mains) instead of sitting at the REPL until someone
-    comes.  RTC memory is cleared: it may hold a sequence number this run
-    used (a gap is fine, a repeat is not).  KeyboardInterrupt (Ctrl-C,
-    mpremote) and SystemExit are not caught."""
-    from . import config
+    resort guard (boot.py: safe mode, the config, and what the guard does
+    with an exception nothing else caught).  boot.py is loaded for the
+    config and dropped before ``main`` runs, and again only for a fatal
+    error: this frame lives as long as the board runs, so it stays small."""
+    from . import unload
 
     cfg = None
     try:
-        why = safe_mode()
-        if why is None:
-            gc.collect()  # the imports' garbage: Config's attribute table needs one contiguous block
-            cfg = config.load()
-            why = safe_mode(cfg.safe_pin)
-        if why is not None:
-            print("[iggy] safe mode:", why, "- not starting")
-            return
-        main(cfg)
-    except Exception as e:  # noqa: BLE001 - the last resort: nothing above it would
-        sleep = cfg.deep_sleep if cfg else battery
-        print("[iggy] fatal:", repr(e), "- deep sleep" if sleep else "- reset in 10 s")
-        getattr(sys, "print_exception", print)(e)
-        Hardware().rtc_save(b"")
+        from . import boot
+
         try:
-            fsutil.write_atomic(FATAL_FILE, repr(e)[:200].encode())
-        except OSError:
-            pass  # a full or broken filesystem: the console has it
-        if sleep:
-            machine.deepsleep(cfg.period_ms if cfg else 300000)  # the radio sleeps with the chip
-        time.sleep_ms(10000)  # a boot loop slow enough to interrupt (Ctrl-C)
-        machine.reset()
+            cfg = boot.load()  # None: safe mode
+        finally:
+            unload("boot")
+        if cfg is not None:
+            main(cfg)
+    except Exception as e:  # noqa: BLE001 - the last resort: nothing above it would
+        gc.collect()  # main's frames are gone: their objects too
+        try:
+            from . import boot
+        except MemoryError:
+            machine.reset()  # no room even for the last resort: a reset is what it would end in
+        boot.fatal(e, cfg, battery)

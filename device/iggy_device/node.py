@@ -27,11 +27,10 @@ import time
 from umqtt import simple as _umqtt
 from umqtt.simple import MQTTClient, MQTTException
 
-from . import codec
+from . import codec, fsutil, unload, wire
 from .backoff import Backoff
 from .ring import Ring
 from .seq import Sequence
-from . import fsutil, unload, wire
 
 # umqtt signals a dead connection in several ways: OSError from the socket,
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
@@ -154,11 +153,11 @@ class Device:
             self._inbound().boot_config(fn)
         return fn
 
-    def publish(self, channel, reading):
+    def publish(self, channel, reading, _own=False):
         """Number ``reading`` (a dict) and send or buffer it; returns seq."""
         codec.check_channel(channel)
         n = self.seq.next()
-        self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading))
+        self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading, _own))
         return n
 
     def poll(self):
@@ -368,7 +367,7 @@ class Device:
         if dropped != self._reported_dropped and self._client is not None:
             # every new session and every change of the drop count
             self._reported_dropped = dropped
-            self.publish("diag", self.diag())
+            self.publish("diag", self.diag(), True)  # no copy of the document (diag() collects)
 
     # -- connection -----------------------------------------------------------------
     def _connect_if_due(self):
@@ -494,7 +493,8 @@ class Device:
                 raise OSError("mqtt: no PINGRESP within " + str(self._t_ms) + " ms")
             return
         half = self.cfg.keepalive * 500
-        if half and (time.ticks_diff(now, self._last_tx) > half or time.ticks_diff(now, self._last_rx) > half):
+        d = time.ticks_diff
+        if half and (d(now, self._last_tx) > half or d(now, self._last_rx) > half):
             c.ping()
             w.flush()
             self._ping_at = now

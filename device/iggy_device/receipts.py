@@ -170,13 +170,17 @@ def release(self, seq, crc=None):
                         break
                     off += len(line)
                     read += 1
-                    payload = line[line.find(b" ") + 1 : -1]
-                    s = seq_of(payload)
+                    start = line.find(b" ") + 1  # no copy of the payload: a diag line is 400 bytes
+                    s = seq_of(line, start)
                     if s is None:
                         # sent: PUBACK covers it
                         if lead and (i < self._si or (i == self._si and read <= self._sread)):
                             pos = (i, off, read)
-                    elif not found and s == seq and (crc is None or crc32 is None or crc32(payload) == crc):
+                    elif (
+                        not found
+                        and s == seq
+                        and (crc is None or crc32 is None or crc32(memoryview(line)[start:-1]) == crc)
+                    ):
                         found = True
                         lead = True
                         pos = (i, off, read)

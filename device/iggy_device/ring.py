@@ -40,11 +40,12 @@ from . import fsutil
 _SEQ = b'"seq":'
 
 
-def seq_of(payload):
-    """The ``"seq":n`` of a reading payload (bytes), or None (command acks
-    carry none).  MicroPython's json does not keep key order: search."""
-    i = payload.find(_SEQ) + 6
-    if i < 6:
+def seq_of(payload, start=0):
+    """The ``"seq":n`` of a reading payload (bytes; or a whole ring line
+    with ``start`` where its payload begins), or None (command acks carry
+    none).  MicroPython's json does not keep key order: search."""
+    i = payload.find(_SEQ, start) + 6
+    if i < start + 6:
         return None
     j = i
     while payload[j : j + 1].isdigit():
@@ -134,8 +135,9 @@ class Ring:
         make room (0 while the ring has room)."""
         if isinstance(payload, str):
             payload = payload.encode()
-        line = channel.encode() + b" " + payload + b"\n"
-        n = len(line)
+        # written in pieces: a line built by concatenation took two more
+        # payload-sized blocks, which a fragmented heap may not have
+        n = len(channel) + len(payload) + 2  # channels are ASCII (codec.check_channel)
         if n > self.segment_bytes:
             raise ValueError("ring: record larger than a segment")
         lost = 0
@@ -148,7 +150,10 @@ class Ring:
             self._segs.append(tail)
             self._tail_torn = False
         with open(self._path(tail[0]), "ab") as f:
-            f.write(line)
+            f.write(channel.encode())
+            f.write(b" ")
+            f.write(payload)
+            f.write(b"\n")
         tail[1] += n
         tail[2] += 1
         if tail is self._segs[self._si]:

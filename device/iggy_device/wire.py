@@ -34,6 +34,12 @@ refused = 0  # inbound messages over max_payload, thrown away
 feed = None
 log = None
 _addr = None
+# The one scratch buffer (gathered writes, chunks of a refused message),
+# shared by every Wire: one connection at a time.  Allocated once, at the
+# first connect (a MemoryError there is a failed connect, retried): a new
+# one at every reconnect was an allocation a fragmented heap could fail.
+buf = None
+_SIZE = 384
 
 
 def socket(*args):
@@ -53,11 +59,14 @@ def getaddrinfo(host, port, *args):
 
 
 class Wire:
-    def __init__(self, sock, size=384):
+    def __init__(self, sock):
+        global buf
         self._s = sock  # what umqtt's bytes go through: TCP, or TLS on top of it
         self._raw = sock  # the TCP socket: it carries the timeouts
         self._t = timeout_ms
-        self._buf = bytearray(size)
+        if buf is None:
+            buf = bytearray(_SIZE)
+        self._buf = buf
         self._n = 0
         self._blocking = True
         self._cur = -1  # timeout currently set on the raw socket (ms)
@@ -226,7 +235,8 @@ class Wire:
                     self.write(pid)
                     self.flush()
                 refused += 1
-                log("mqtt: refused a", payload, "byte message on", topic.decode(), "> msg_max_bytes", max_payload)
+                t = topic.decode()
+                log("mqtt: refused a", payload, "byte message on", t, "> msg_max_bytes", max_payload)
                 self._pb = b"\xd0\x00"  # umqtt gets a PINGRESP instead, which it ignores
                 self._left = 0
                 return

@@ -56,10 +56,9 @@ def main(cfg):
         # the last wake ran out of its awake budget: do not spend another now
         dev.log("woke from the watchdog (awake budget): no upload this wake")
         upload = False
-    if upload:
-        if dev.connect():
-            dev.flush(budget_ms=cfg.awake_ms * 4)
-            dev.wait(cfg.awake_ms)  # commands queued for us arrive now
+    if upload and dev.connect():
+        dev.flush(budget_ms=cfg.awake_ms * 4)
+        dev.wait(cfg.awake_ms)  # commands queued for us arrive now
     period = dev.wake.get("period_ms", cfg.period_ms)
     if not cfg.deep_sleep:
         dev.shutdown()

@@ -40,7 +40,7 @@ def find_sensor(app, log):
             log("sensor: DHT22")
         except OSError as e:  # nothing answers on the pin
             log("dht22:", repr(e))
-        except Exception as e:  # the dht driver's "checksum error": a sensor that is there
+        except Exception as e:  # noqa: BLE001 - the dht driver's "checksum error": a sensor that is there
             log("sensor: DHT22 (first read:", repr(e) + ")")
             return read_dht
         else:
