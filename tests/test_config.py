@@ -59,7 +59,7 @@ def test_full_valid_config(tmp_path: Path) -> None:
         tmp_path,
         """
 gateway_id = "plant-7_a"
-state_dir = "/tmp/x"
+state_dir = "{tmp_path}/state"
 [mqtt]
 host = "broker.local"
 port = 8883
@@ -80,7 +80,7 @@ ttl_s = 0
 synchronous = "normal"
 [forward]
 batch_records = 5
-""",
+""".replace("{tmp_path}", str(tmp_path)),
     )
     s = load_config(cfg, env={})
     assert s.mqtt.port == 8883

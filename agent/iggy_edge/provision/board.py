@@ -54,7 +54,7 @@ def parse_probe(output: str) -> Probe | None:
 
 
 # Safe mode: with /safe on the board the examples start nothing at boot
-# (iggy_device.hw.safe_mode), in particular no watchdog: on ESP32 a soft reset
+# (iggy_device.boot.safe_mode), in particular no watchdog: on ESP32 a soft reset
 # (what mpremote does) does not stop a started machine.WDT, so a board running
 # an example would hard-reset in the middle of the copy.  Provisioning writes
 # /safe, hard-resets (which does stop the watchdog), copies, and removes it.

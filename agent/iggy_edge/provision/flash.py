@@ -115,7 +115,7 @@ def classify(port: str, output: str) -> FlashError:
     """esptool's failures as something a person can act on."""
     text = output
     if "could not open port" in text.lower() or "no such file or directory" in text.lower():
-        return FlashError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+        return FlashError(f"no board on {port}: the port does not exist (see `iggy-edge device ports`)")
     if "Resource busy" in text or "port is busy" in text.lower() or "Errno 16" in text:
         return FlashError(f"{port} is busy: close the program holding it (a serial monitor, mpremote)")
     if "Failed to connect" in text or "No serial data received" in text:

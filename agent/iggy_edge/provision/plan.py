@@ -92,10 +92,10 @@ def classify(port: str, output: str) -> ProvisionError:
     text = output.strip()
     if "failed to access" in text or "could not open port" in text.lower():
         if not Path(port).exists() and not port.upper().startswith("COM"):
-            return NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+            return NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device ports`)")
         return busy(port)
     if "no device found" in text:
-        return NoBoardError("no board found: plug it in, or pass --port (see `iggy-edge device list`)")
+        return NoBoardError("no board found: plug it in, or pass --port (see `iggy-edge device ports`)")
     if "could not enter raw repl" in text:
         return NotMicroPythonError(
             f"something answers on {port} but not a MicroPython REPL: flash MicroPython first, "

@@ -25,7 +25,7 @@ KNOWN_BRIDGES = {
 def check_port(port: str) -> None:
     """Fail fast, before any long step, on a missing or busy port."""
     if not Path(port).exists():
-        raise NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device list`)")
+        raise NoBoardError(f"no board on {port}: the port does not exist (see `iggy-edge device ports`)")
     try:
         fd = os.open(port, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
     except PermissionError:
