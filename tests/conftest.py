@@ -54,6 +54,15 @@ def _no_ambient_iggy_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what importing and collecting made (modules, hypothesis'
+    strategies, the test items) out of the collector's reach: no test made
+    it, and the full collection after every test below then walks only what
+    tests create -- 70 ms a test before, most of the fast tier's time."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _leaks_show_in_the_test_that_made_them() -> Iterator[None]:
     """Collect garbage after every test: a socket or transport left open is
