@@ -265,6 +265,7 @@ def agent_settings(
     return make_settings(tmp_path, broker, iggy=iggy, metrics={"enabled": False}, **kw)
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 @pytest.mark.iggy
 async def test_forwarding_resumes_within_seconds_of_a_long_cut(
     tmp_path: Path, broker: Broker, iggy_server: IggyServer
@@ -375,6 +376,7 @@ def restart_killed_node(node: IggyServer) -> str:
     return "replaced (empty data dir): the server could not recover its journal after SIGKILL"
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 @pytest.mark.iggy
 async def test_return_poll_resumes_within_seconds_of_a_long_cut(
     tmp_path: Path, broker: Broker, iggy_server: IggyServer
