@@ -10,7 +10,7 @@ stage          file                        meets the others at (stages.py)
 =============  ==========================  ===================================
 ingest         ingest.py                   Outbox.submit; `IngestObserver`
 route          routing.py                  pure: Router.route
-outbox         store.py                    `OutboxReader`, `DeadLetterSink`
+outbox         store/                      `OutboxReader`, `DeadLetterSink`
 forward        forward.py                  `OutboxReader` -> `Uplink`
 return path    downlink/ (component.py)    `ReturnPathHost`, `CommandSource`
 metrics/health httpd.py, metrics.py        `HttpView`, Metrics
