@@ -74,6 +74,7 @@ class Outbox:
         self.copy_of = self.commit.copy_of
         self.admit: Callable[[Route, str], Rejected | None] = self.devices.admit
         self.enqueue_dead_letter = self.dead.enqueue_dead_letter
+        self.dead_letter = self.dead.dead_letter  # stages.DeadLetterSink
         self.recovery: list[Event] = []
 
     # -- life cycle -------------------------------------------------------
@@ -215,27 +216,6 @@ class Outbox:
 
     async def wait_pending_below(self, limit: int, *, max_bytes: int | None = None) -> None:
         await self.commit.wait_pending_below(limit, max_bytes=max_bytes)
-
-    async def dead_letter(
-        self,
-        *,
-        mqtt_topic: str | bytes,
-        payload: bytes,
-        qos: int,
-        retain: bool,
-        reason: str,
-        detail: str,
-        received_us: int | None = None,
-    ) -> None:
-        await self.dead.dead_letter(
-            mqtt_topic=mqtt_topic,
-            payload=payload,
-            qos=qos,
-            retain=retain,
-            reason=reason,
-            detail=detail,
-            received_us=received_us,
-        )
 
     def backlog_by_device(self) -> dict[str, tuple[int, int]]:
         return self.devices.backlog_by_device()
