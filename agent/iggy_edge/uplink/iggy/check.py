@@ -14,7 +14,7 @@ from typing import Any
 
 from ...checks import DEFAULT_ENV_FILE, LOCAL_HOSTS, TIMEOUT_S, Check, Status, tcp_problem
 from ...config import IggySettings, Settings
-from ...downlink.commands import commands_topic, config_topic
+from ...downlink.commands import return_topic
 from ..protocol import UplinkError
 from .errors import IGGY_SDK_VERSION, IncompatibleServer
 from .probe import IggyProbe
@@ -135,8 +135,8 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
     poll_from: list[tuple[str, str]] = []
     if settings.downlink.enabled:
         # the agent's own names for them, so doctor cannot drift from it
-        d = settings.downlink
-        poll_from = [(d.stream, commands_topic(settings)), (d.stream, config_topic(settings))]
+        rt = return_topic(settings)
+        poll_from = [(rt.stream, rt.topic)]
     missing: list[str] = []
     try:
         for stream, topic in send_to + poll_from:
