@@ -180,6 +180,34 @@ def _config_state(settings: Settings, dev: str) -> str:
 # -- bounds and outages -----------------------------------------------------------------
 
 
+async def test_a_full_inbox_stops_the_poll_at_the_first_command_configs_before_it_are_taken(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Commands and configs share the partition: with the inbox full, the
+    poll takes what comes before the first command that does not fit and
+    leaves it, and everything after it, in Iggy, in order."""
+    settings = downlink_settings(tmp_path, broker, downlink={"max_inbox": 2})
+    iggy = MemoryIggy()
+    broker.stop()
+    c = [make_command("dev-1", "step", {"i": i}) for i in range(3)]
+    sent = [c[0], c[1], make_config("dev-1", {"v": 1}), c[2], make_config("dev-2", {"v": 1})]
+    async with running(settings, iggy) as r:
+        offsets = [send(iggy, settings, m) for m in sent]
+        await async_wait_until(lambda: r.metric("iggy_edge_downlink_inbox_full_total") >= 2, what="paused")
+        assert list(states(settings)) == [c[0].id, c[1].id]
+        assert stored_offset(settings) == offsets[2]  # the config before c2 is taken
+        assert _config_state(settings, "dev-1") == "received"
+        assert _config_state(settings, "dev-2") == ""
+        broker.start()
+        async with device(broker) as dev:
+            await async_wait_until(lambda: len(dev.ids()) == 3, timeout=20, what="all 3 commands")
+            assert dev.ids() == [x.id for x in c]
+            await async_wait_until(
+                lambda: _config_state(settings, "dev-2") == "delivered", what="dev-2 config"
+            )
+        assert stored_offset(settings) == offsets[-1]
+
+
 async def test_full_inbox_pauses_polling_and_commands_stay_in_iggy(tmp_path: Path, broker: Broker) -> None:
     iggy = MemoryIggy(partitions=1)
     settings = downlink_settings(

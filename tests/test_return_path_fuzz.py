@@ -37,6 +37,7 @@ from iggy_edge.downlink.commands import (
     Refused,
     make_command,
     make_config,
+    message_kind,
     read_command,
     read_config,
 )
@@ -202,6 +203,25 @@ def test_read_config_never_raises_and_passes_only_usable_configs(payload: bytes)
         assert got.detail.isprintable()
     else:
         check_usable(got)
+
+
+HEADERS = st.dictionaries(
+    st.one_of(st.just("kind"), st.text(max_size=8)),
+    st.one_of(st.sampled_from(["command", "config", "Command", " config", ""]), st.text(max_size=40)),
+    max_size=3,
+)
+
+
+@given(HEADERS)
+def test_message_kind_never_raises_and_names_only_the_two_kinds(headers: dict[str, str]) -> None:
+    got = message_kind(headers)
+    if isinstance(got, Refused):
+        assert got.reason == "invalid_command"
+        assert got.detail.isprintable()
+        assert headers.get("kind") not in ("command", "config")
+    else:
+        assert got == headers["kind"]
+        assert got in ("command", "config")
 
 
 # -- through the real return poll ------------------------------------------------------

@@ -329,3 +329,38 @@ async def test_command_list_shows_the_result_the_device_sent(tmp_path: Path) -> 
     row = next(line for line in result.output.splitlines() if line.startswith("c-1"))
     assert "acked" in row
     assert row.endswith('result: {"t":21.5,"unit":"C"}')
+
+
+# -- issue 23: the kind header of the one return-path topic is untrusted too
+
+
+@pytest.mark.unit
+async def test_a_missing_or_unknown_kind_is_a_dead_letter_and_the_rest_goes_on(tmp_path: Path) -> None:
+    """Commands and configs share one partition; the kind header says which.
+    Without one, or with another value, the message is dead-lettered with
+    its reason and its offset consumed, like an invalid command; a config
+    sent as a command (or the reverse) is refused by that kind's parser."""
+    settings = downlink_settings(tmp_path)
+    async with poll_harness(settings) as h:
+        cfg = make_config("dev-1", {"v": 1})
+        bad = [
+            (make_command("dev-1", "no-kind").wire(), {}),
+            (make_command("dev-1", "odd").wire(), {"kind": "reboot\x1b[2J"}),
+            (make_command("dev-1", "upper").wire(), {"kind": "COMMAND"}),
+            (cfg.wire(), {"kind": "command"}),  # a config's fields are not a command's
+        ]
+        offsets = [h.send_raw(payload, headers=headers) for payload, headers in bad]
+        good = make_command("dev-1", "good")
+        h.send_raw(good.wire(), headers=good.headers())
+        last = h.send_raw(cfg.wire(), headers=cfg.headers())
+        await async_wait_until(lambda: h.offset() == last, what="everything consumed")
+        assert [r.name for r in read_commands(settings.buffer_path)] == ["good"]
+        assert [d for d, *_ in read_configs(settings.buffer_path)] == ["dev-1"]
+        dead = read_dead_letters(settings.buffer_path)
+        assert sorted(int(d.mqtt_topic.decode().rsplit("@", 1)[1]) for d in dead) == offsets
+        assert {d.reason for d in dead} == {INVALID_COMMAND}
+        details = sorted(d.detail for d in dead)
+        assert any("no 'kind' header" in d for d in details)
+        assert any("'kind' header is 'reboot\\x1b[2J'" in d for d in details)  # escaped, printable
+        assert all(d.isprintable() for d in details)
+        assert not h.task.done()

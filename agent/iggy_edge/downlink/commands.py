@@ -222,7 +222,7 @@ def message_kind(headers: Mapping[str, str]) -> str | Refused:
         detail = f"no {KIND_HEADER!r} header (expected {KIND_COMMAND!r} or {KIND_CONFIG!r})"
     else:
         shown = printable(str(kind), 80)
-        detail = f"{KIND_HEADER!r} header is {shown!r}, not {KIND_COMMAND!r} or {KIND_CONFIG!r}"
+        detail = f"{KIND_HEADER!r} header is '{shown}', not {KIND_COMMAND!r} or {KIND_CONFIG!r}"
     return Refused(INVALID_COMMAND, printable(detail))
 
 
