@@ -20,6 +20,7 @@ from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import (
     Command,
+    DesiredConfig,
     make_command,
     make_config,
     return_topic,
@@ -190,7 +191,13 @@ async def test_a_full_inbox_stops_the_poll_at_the_first_command_configs_before_i
     iggy = MemoryIggy()
     broker.stop()
     c = [make_command("dev-1", "step", {"i": i}) for i in range(3)]
-    sent = [c[0], c[1], make_config("dev-1", {"v": 1}), c[2], make_config("dev-2", {"v": 1})]
+    sent: list[Command | DesiredConfig] = [
+        c[0],
+        c[1],
+        make_config("dev-1", {"v": 1}),
+        c[2],
+        make_config("dev-2", {"v": 1}),
+    ]
     async with running(settings, iggy) as r:
         offsets = [send(iggy, settings, m) for m in sent]
         await async_wait_until(lambda: r.metric("iggy_edge_downlink_inbox_full_total") >= 2, what="paused")
