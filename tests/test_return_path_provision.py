@@ -275,3 +275,37 @@ async def test_the_agent_runs_end_to_end_with_its_provisioned_credential(
         await root.close()
         agent.stop()
         await asyncio.wait_for(task, 20)
+
+
+def test_doctor_takes_a_provisioned_gateway_user_for_what_it_is(
+    tmp_path: Path, iggy_server: IggyServer
+) -> None:
+    """The gateway's user may read neither users nor the send-only route
+    topics: doctor says it is least-privileged and its topics are there,
+    instead of failing on "cannot read streams/topics"; before provisioning
+    it names the command to run."""
+    from tests.test_ops_doctor import doctor  # noqa: PLC0415 - its runner, not a fixture
+
+    admin = admin_settings(tmp_path, iggy_server)
+    made = asyncio.run(provision(admin, "gw-doc"))
+    assert made.password is not None
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'gateway_id = "gw-doc"\nstate_dir = "{tmp_path / "state"}"\n[mqtt]\nhost = "127.0.0.1"\nport = 1\n'
+        f'[iggy]\nkind = "iggy"\naddress = "{iggy_server.address}"\nusername = "{made.username}"\n'
+    )
+    _, checks, _ = doctor(config, env={"IGGY_PASSWORD": made.password})
+    perms = checks["iggy permissions"]
+    assert perms["status"] == "ok", perms
+    assert "least-privileged" in perms["detail"]
+    other = asyncio.run(provision(admin, "gw-doc", username="gw-other-user"))
+    config.write_text(
+        config.read_text()
+        .replace('"gw-doc"\nstate', '"gw-new"\nstate')
+        .replace(made.username, other.username)
+    )
+    _, checks, _ = doctor(config, env={"IGGY_PASSWORD": other.password or ""})
+    perms = checks["iggy permissions"]
+    assert perms["status"] == "fail", perms
+    assert "return.gw-new" in perms["detail"]
+    assert "iggy-edge cloud provision-gateway" in perms["fix"]
