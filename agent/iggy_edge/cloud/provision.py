@@ -193,3 +193,15 @@ async def provision_gateway(
         return Provisioned(gateway_id, name, password, rt.stream, rt.topic, created, made, sends, legacy)
     finally:
         await conn.close()
+
+
+async def create_return_topic(settings: Settings, gateway_id: str | None = None) -> bool:
+    """Only the return-path topic of `gateway_id` (default: the settings'
+    own), with `settings.iggy`'s login; whether it was created.  For a
+    server that is its own cloud side (the demo's private one, benches)."""
+    rt = return_topic_of(gateway_id or settings.gateway_id, settings.downlink)
+    conn = Connection(settings.iggy, "provisioning")
+    try:
+        return await create_topic(conn, await conn.client(), rt.stream, rt.topic, 1)
+    finally:
+        await conn.close()
