@@ -212,6 +212,7 @@ HEADERS = st.dictionaries(
 )
 
 
+@PURE
 @given(HEADERS)
 def test_message_kind_never_raises_and_names_only_the_two_kinds(headers: dict[str, str]) -> None:
     got = message_kind(headers)
