@@ -188,8 +188,6 @@ class ReturnPoll:
         part = self.main
         try:
             newest = await self._source.last_offsets(part.stream, part.topic)
-        except ReturnTopicMissing:
-            raise
         except UplinkRejected as e:
             log.warning("return poll: the server refuses a look at %s/%s (%s); polling on", *part.names, e)
             return
