@@ -75,6 +75,9 @@ def provision(
     and needs no right to create anything. Naming comes from the config's
     \\[downlink] section: use the fleet's values. Running it again only sets
     the permissions again; --rotate issues a new password.
+
+    Example: IGGY_USERNAME=admin IGGY_PASSWORD=... iggy-edge cloud
+    provision-gateway -c cloud.toml -g gw-17 -o gw-17-credentials.toml
     """
     settings = load_or_exit(config)
     problem = gateway_id_problem(gateway)
