@@ -1,30 +1,37 @@
-"""Command latency: `command send` -> the device's MQTT subscription, while the
-uplink drains a 100,000-record backlog.
+"""Command latency: `command send` -> the device's MQTT subscription, under
+traffic and at rest, and the return path's requests to Iggy.
 
 Per run: an outbox is filled with `--records` telemetry records (10 devices,
 60-byte JSON, through `Outbox.submit`), then the real agent (`Agent` with the
 return-path component, default settings apart from the poll interval) starts
-against a private Mosquitto.  The forwarder starts draining at once; every
-`--every-ms` the cloud side sends one command to one of 10 devices, and a
-gmqtt subscriber standing in for the devices stamps its arrival.  Latency =
-arrival - the moment the send began (for a real server: before the
-IggyCommandSink request).  Only commands sent while the backlog was still
-draining count as "busy"; the same run continues after the drain for an
-"idle" figure of the same kind.  Then nothing is sent for a while (the
-return path's request rate per second when quiet is measured), and last
-`--cold-commands` single commands go out, each after COOL_S of silence: the
-"cold" figure, a command nobody saw coming (the return poll looks faster for
-a few seconds after a command, so the steady stream above is its best case
-and this its worst).
+against a private Mosquitto.  With a real server the gateway is first
+provisioned as the cloud side does it (`cloud/provision.py`, root login: its
+return-path topic and a least-privileged user) and the agent runs as that
+user.  The forwarder starts draining at once; every `--every-ms` the cloud
+side sends one command (kind header ``command``, the gateway's one
+return-path partition) to one of 10 devices, and a gmqtt subscriber standing
+in for the devices stamps its arrival.  Latency = arrival - the moment the
+send began (for a real server: before the IggyCommandSink request).
+After one warm-up command (waited for, not counted: the return poll is then
+in the fast cadence it keeps while commands flow), commands sent while the
+backlog was still draining count as "busy"; the same
+run continues after the drain for an "idle" figure of the same kind (both:
+commands under traffic, the return poll in its fast cadence).  Then nothing
+is sent for QUIET_S: the requests per second at rest.  Last, `--rest-commands`
+single commands, each after a random 3.1-4.1 s of silence (longer than the
+fast cadence lasts after a command, HOT_INTERVALS x the default 1 s poll
+interval, and spread uniformly over the 1 s poll cycle): the "rest" figure,
+what a command nobody saw coming waits.
+
+Requests: every request the return path makes, counted at its
+`CommandSource` (polls, looks at a topic, offset mirrors), per phase.  The
+SDK's heartbeat (a PING every 5 s per connection, 0.2/s) is the
+connection's, not the return path's, and is not in these counts.
 
 Iggy: `MemoryIggy` in process, and a real `iggy-server` when it is on PATH
 (tests/support/iggy_server.py starts it); otherwise a "skipped" line.
 
-The poll interval (`downlink.poll_interval_s`, default 1.0 s) bounds the
-latency from below by design: a command waits on average half an interval
-for the next poll.  Both the default and 0.05 s are measured.
-
-    .venv/bin/python bench/command_latency_bench.py [--records N] [--quick]
+    .venv/bin/python bench/command_latency_bench.py [--records N] [--rest-commands N] [--quick]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -46,9 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))
 
 import gmqtt
 from gmqtt.mqtt.constants import MQTTv50
+from iggy_edge.cloud.provision import provision_gateway
 from iggy_edge.config import parse_config
 from iggy_edge.downlink import return_path
-from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
+from iggy_edge.downlink.commands import make_command, return_topic
+from iggy_edge.downlink.poll import HOT_INTERVALS
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.runtime import Agent
@@ -56,6 +66,8 @@ from iggy_edge.store import Incoming, Outbox
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyCommandSource, IggyUplink
 from iggy_edge.uplink.memory import MemoryIggy
+from iggy_edge.uplink.protocol import CommandSource, PolledMessage
+from pydantic import SecretStr
 
 from bench._common import Broker, emit, emit_machine, payload_60, skipped
 from bench._common import broker as make_broker
@@ -64,8 +76,46 @@ from tests.support.wait import async_wait_until
 
 BENCH = "command_latency"
 DEVICES = 10
-QUIET_S = 5.0
-COOL_S = 4.0  # > downlink/poll.py's HOT_INTERVALS x the default poll interval
+QUIET_S = 10.0
+COOL_S = HOT_INTERVALS * 1.0 + 1.0  # > the fast cadence after a command, at the default poll interval
+
+
+class Counting:
+    """A `CommandSource` that counts every request it passes on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.polls = self.looks = self.mirrors = 0
+
+    @property
+    def requests(self) -> int:
+        return self.polls + self.looks + self.mirrors
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def poll(
+        self, stream: str, topic: str, partition_id: int, offset: int, count: int
+    ) -> list[PolledMessage]:
+        self.polls += 1
+        got: list[PolledMessage] = await self.inner.poll(stream, topic, partition_id, offset, count)
+        return got
+
+    async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
+        self.looks += 1
+        got: dict[int, int] | None = await self.inner.last_offsets(stream, topic)
+        return got
+
+    async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
+        self.mirrors += 1
+        await self.inner.mirror_offset(stream, topic, partition_id, offset)
+
+    async def reachable(self, timeout: float) -> bool:
+        ok: bool = await self.inner.reachable(timeout) if hasattr(self.inner, "reachable") else True
+        return ok
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 def _settings(state: Path, broker: Broker, poll_s: float, iggy: dict[str, Any]) -> Any:
@@ -112,7 +162,7 @@ async def run_once(
     every_s: float,
     idle_commands: int,
     kind: str,
-    cold_commands: int,
+    rest_commands: int,
 ) -> dict[str, Any]:
     server = None
     if kind == "server":
@@ -126,6 +176,15 @@ async def run_once(
     else:
         iggy_conf = {"kind": "memory"}
     settings = _settings(workdir / "state", broker, poll_s, iggy_conf)
+    rt = return_topic(settings)
+    admin = settings
+    if server is not None:  # the cloud side provisions; the agent runs as the gateway's user
+        done = await provision_gateway(settings, settings.gateway_id)
+        assert done.password is not None
+        gateway_iggy = settings.iggy.model_copy(
+            update={"username": done.username, "password": SecretStr(done.password), "create_missing": False}
+        )
+        settings = settings.model_copy(update={"iggy": gateway_iggy})
     await fill(settings, records)
 
     sent_at: dict[str, float] = {}
@@ -148,30 +207,30 @@ async def run_once(
     sink = None
     if kind == "server":
         uplink: Any = IggyUplink(settings.iggy, settings.gateway_id, topics=[("edge", "telemetry")])
-        source: Any = IggyCommandSource(settings.iggy, settings.gateway_id, consumer_name(settings))
-        sink = IggyCommandSink(settings.iggy)
+        inner: CommandSource = IggyCommandSource(settings.iggy, settings.gateway_id, consumer_name(settings))
+        sink = IggyCommandSink(admin.iggy)
         await sink.start()
     else:
-        uplink, source = memory.uplink(), memory.command_source(consumer_name(settings))
+        memory.create_topic(rt.stream, rt.topic, 1)
+        uplink, inner = memory.uplink(), memory.command_source(consumer_name(settings))
+    source = Counting(inner)
     agent = Agent(settings, uplink=uplink, command_source=source, components=(return_path,))
     task = asyncio.create_task(agent.run())
     await agent.ready.wait()
     # Measured from the return path's first poll on: its start (inbox, Iggy
-    # login, the partition check) is not what a command waits for later.
+    # login, the topic check) is not what a command waits for later.
     await async_wait_until(lambda: source.polls > 0, 30, interval=0.005, what="the return path's first poll")
-    topic = commands_topic(settings)
     busy: list[str] = []
     idle: list[str] = []
-    started = time.perf_counter()
     drained_at = None
-    requests: dict[str, tuple[float, int, int]] = {}  # phase -> (seconds, polls, looks)
+    requests: dict[str, tuple[float, int, int, int]] = {}  # phase -> (seconds, polls, looks, mirrors)
 
-    def load() -> tuple[float, int, int]:
-        return time.perf_counter(), source.polls, source.probes
+    def load() -> tuple[float, int, int, int]:
+        return time.perf_counter(), source.polls, source.looks, source.mirrors
 
-    def phase(name: str, since: tuple[float, int, int]) -> tuple[float, int, int]:
+    def phase(name: str, since: tuple[float, int, int, int]) -> tuple[float, int, int, int]:
         now = load()
-        requests[name] = (now[0] - since[0], now[1] - since[1], now[2] - since[2])
+        requests[name] = (now[0] - since[0], now[1] - since[1], now[2] - since[2], now[3] - since[3])
         return now
 
     async def send(i: int) -> str:
@@ -179,14 +238,23 @@ async def run_once(
         sent_at[cmd.id] = time.perf_counter()
         all_arrived.clear()  # set again by on_message once this one is in too
         if sink is not None:
-            await sink.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
+            await sink.publish(rt.stream, rt.topic, rt.partition, cmd.wire(), cmd.headers())
         else:
-            memory.publish("edge", topic, partition_of(cmd.device, settings), cmd.wire())
+            memory.publish(rt.stream, rt.topic, rt.partition, cmd.wire(), cmd.headers())
         return cmd.id
 
-    mark = load()
     i = 0
-    cold: list[str] = []
+    rest: list[str] = []
+    rng = random.Random(23)
+    # One command first, waited for: the return poll is then in its fast
+    # cadence, as it is while commands flow; what the first command of a
+    # burst waits is the "rest" figure below.
+    warm = await send(i)
+    i += 1
+    await asyncio.wait_for(all_arrived.wait(), 30)
+    assert warm in arrived
+    started = time.perf_counter()
+    mark = load()
     try:
         while True:
             assert agent.outbox is not None
@@ -206,13 +274,15 @@ async def run_once(
         await asyncio.sleep(COOL_S)  # the return poll looks faster for a while after a command
         mark = phase("cooling", mark)
         await asyncio.sleep(QUIET_S)  # no command for a while: what an idle gateway costs
-        phase("quiet", mark)
-        for _ in range(cold_commands):  # one command at a time, each after COOL_S of silence
-            cold.append(await send(i))
+        mark = phase("quiet", mark)
+        for _ in range(rest_commands):  # one at a time, each after COOL_S..COOL_S+1 of silence
+            await asyncio.sleep(COOL_S + rng.random())
+            rest.append(await send(i))
             i += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(all_arrived.wait(), 30)
-            await asyncio.sleep(COOL_S)
+        if rest_commands:
+            phase("rest", mark)
     finally:
         agent.stop()
         await asyncio.wait_for(task, 60)
@@ -226,12 +296,14 @@ async def run_once(
     def lat(ids: list[str]) -> list[float]:
         return sorted((arrived[c] - sent_at[c]) * 1000 for c in ids if c in arrived)
 
-    rates = {k: round((p + q) / t, 1) for k, (t, p, q) in requests.items()}
-    detail = {k: {"s": round(t, 2), "polls": p, "looks": q} for k, (t, p, q) in requests.items()}
+    rates = {k: round((p + q + m) / t, 2) for k, (t, p, q, m) in requests.items()}
+    detail = {
+        k: {"s": round(t, 2), "polls": p, "looks": q, "mirrors": m} for k, (t, p, q, m) in requests.items()
+    }
     return {
         "busy": lat(busy),
         "idle": lat(idle),
-        "cold": lat(cold),
+        "rest": lat(rest),
         "lost": len(lost),
         "drain_s": drain_s,
         "requests_per_s": rates,
@@ -240,7 +312,7 @@ async def run_once(
 
 
 def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> None:
-    for phase in ("busy", "idle", "cold"):
+    for phase in ("busy", "idle", "rest"):
         values = result[phase]
         if not values:
             skipped(BENCH, f"{phase}_latency", "no commands sent in this phase (drain too short?)")
@@ -255,10 +327,12 @@ def report(kind: str, poll_s: float, records: int, result: dict[str, Any]) -> No
         }
         emit(BENCH, f"{phase}_latency_p50", round(pct(values, 50), 1), "ms", **extra)
         emit(BENCH, f"{phase}_latency_p99", round(pct(values, 99), 1), "ms", **extra)
-    # What the return path asks of Iggy per gateway: polls plus looks at a
-    # topic (one GET_TOPIC each), per second, in each phase: "busy" and
-    # "after_drain" while a command goes out every --every-ms, "cooling" the
-    # COOL_S after the last one, "quiet" the QUIET_S after that (the value).
+    # What the return path asks of Iggy per gateway: polls, looks at a topic
+    # (one GET_TOPIC each) and offset mirrors, per second, in each phase:
+    # "busy" and "after_drain" while a command goes out every --every-ms,
+    # "cooling" the COOL_S after the last one, "quiet" the QUIET_S after that
+    # (the value), "rest" the single commands (each followed by its own fast
+    # cadence and mirror).  The SDK's heartbeats are not in it (docstring).
     emit(
         BENCH,
         "return_path_requests_per_s",
@@ -276,10 +350,16 @@ async def main() -> None:
     ap.add_argument("--records", type=int, default=100_000, help="outbox backlog drained meanwhile")
     ap.add_argument("--every-ms", type=float, default=20.0, help="one command every this many ms")
     ap.add_argument("--idle-commands", type=int, default=100, help="commands sent after the drain")
-    ap.add_argument("--cold-commands", type=int, default=5, help="single commands after silence, at the end")
-    ap.add_argument("--quick", action="store_true", help="10,000 records, default poll interval only")
+    ap.add_argument(
+        "--rest-commands", type=int, default=100, help="single commands after silence, at the end"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="10,000 records, 10 rest commands, default interval only"
+    )
+    ap.add_argument("--only", choices=["memory", "server"], help="one kind of Iggy")
     args = ap.parse_args()
     records = 10_000 if args.quick else args.records
+    rest_commands = 10 if args.quick else args.rest_commands
     polls = [1.0] if args.quick else [1.0, 0.05]
     emit_machine(BENCH)
     kinds = ["memory"]
@@ -287,6 +367,8 @@ async def main() -> None:
         kinds.append("server")
     else:
         skipped(BENCH, "server", "iggy-server not on PATH")
+    if args.only:
+        kinds = [k for k in kinds if k == args.only]
     with (
         tempfile.TemporaryDirectory(prefix="cmd-latency-") as tmp,
         make_broker(Path(tmp) / "broker") as broker,
@@ -295,8 +377,10 @@ async def main() -> None:
             for poll_s in polls:
                 work = Path(tmp) / f"{kind}-{poll_s}"
                 every_s = args.every_ms / 1000
+                # at rest the cadence is poll_s: single commands are measured at the default only
+                rest = rest_commands if poll_s == 1.0 else 0
                 result = await run_once(
-                    work, broker, records, poll_s, every_s, args.idle_commands, kind, args.cold_commands
+                    work, broker, records, poll_s, every_s, args.idle_commands, kind, rest
                 )
                 report(kind, poll_s, records, result)
 

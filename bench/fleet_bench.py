@@ -133,11 +133,13 @@ class Gateway:
             env={},
         )
         self.metrics = Metrics()
-        self.uplink = TimedUplink(IggyUplink(self.settings.iggy, self.id, topics=list(SHARED_TOPICS)))
         dl = self.settings.downlink
-        self.source = IggyCommandSource(self.settings.iggy, self.id, f"iggy-edge-{self.id}")
         self.return_topics = [f"{dl.commands_topic}.{self.id}", f"{dl.config_topic}.{self.id}"]
         self.stream = dl.stream
+        # The command source creates no topic any more: the uplink (root) makes them.
+        made = [*SHARED_TOPICS, *((self.stream, t) for t in self.return_topics)]
+        self.uplink = TimedUplink(IggyUplink(self.settings.iggy, self.id, topics=made))
+        self.source = IggyCommandSource(self.settings.iggy, self.id, f"iggy-edge-{self.id}")
         self.box: Outbox | None = None
         self.forwarder: Forwarder | None = None
         self.task: asyncio.Task[None] | None = None

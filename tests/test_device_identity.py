@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from iggy_edge.config import Settings
 from iggy_edge.downlink import return_path
-from iggy_edge.downlink.commands import commands_topic, config_topic, make_command, make_config, partition_of
+from iggy_edge.downlink.commands import make_command, make_config
 from iggy_edge.runtime import Agent
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.memory import MemoryIggy
@@ -35,6 +35,7 @@ from tests.support.agent import wait_subscribed
 from tests.support.broker import mosquitto_binary
 from tests.support.downlink import downlink_settings
 from tests.support.gateway_broker import AGENT_USER, GatewayBroker
+from tests.support.return_path import provision, send
 from tests.support.wait import async_wait_until
 
 GW = "gw-acl"
@@ -62,6 +63,7 @@ class RunningAgent:
     def __init__(self, settings: Settings, iggy: MemoryIggy) -> None:
         self.settings = settings
         self.iggy = iggy
+        provision(iggy, settings)
         self.agent = Agent(
             settings,
             uplink=iggy.uplink(),
@@ -91,13 +93,11 @@ class RunningAgent:
 
     def send_command(self, device: str, name: str) -> str:
         cmd = make_command(device, name, {})
-        part = partition_of(device, self.settings)
-        self.iggy.publish("edge", commands_topic(self.settings), part, cmd.wire())
+        send(self.iggy, self.settings, cmd)
         return cmd.id
 
     def send_config(self, device: str, config: dict[str, Any]) -> None:
-        part = partition_of(device, self.settings)
-        self.iggy.publish("edge", config_topic(self.settings), part, make_config(device, config).wire())
+        send(self.iggy, self.settings, make_config(device, config))
 
 
 @pytest.fixture

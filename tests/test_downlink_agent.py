@@ -20,11 +20,10 @@ from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.config import Settings
 from iggy_edge.downlink.commands import (
     Command,
-    commands_topic,
-    config_topic,
+    DesiredConfig,
     make_command,
     make_config,
-    partition_of,
+    return_topic,
 )
 from iggy_edge.inbox_admin import read_commands
 from iggy_edge.runtime import build_agent
@@ -36,6 +35,7 @@ from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
 from tests.support.downlink import FreezableProxy, downlink_settings
 from tests.support.iggy_server import IggyServer
+from tests.support.provisioning import provision
 from tests.support.return_path import (
     MARKER,
     Running,
@@ -71,11 +71,10 @@ async def test_command_reaches_the_device_is_acked_and_the_offset_is_mirrored(
         await async_wait_until(lambda: states(settings)[cmd.id] == "acked", what="acked")
         # ... and the ack travels uplink like telemetry, for the cloud side.
         await async_wait_until(lambda: iggy.count("edge", "acks") == 1, what="ack forwarded to Iggy")
-        part = partition_of("dev-1", settings)
-        topic = commands_topic(settings)
-        assert stored_offset(settings, topic, part) == offset
+        rt = return_topic(settings)
+        assert stored_offset(settings) == offset
         await async_wait_until(
-            lambda: iggy.stored_offset(consumer_name(settings), "edge", topic, part) == offset,
+            lambda: iggy.stored_offset(consumer_name(settings), rt.stream, rt.topic, 0) == offset,
             what="offset mirrored to the server",
         )
         for state in ("received", "delivered", "acked"):
@@ -113,7 +112,7 @@ async def test_malformed_commands_are_dead_lettered_and_consumed(tmp_path: Path,
     ]
     async with device(broker) as dev, running(settings, iggy) as r:
         for payload in bad:
-            send_raw(iggy, settings, "dev-1", payload)
+            send_raw(iggy, settings, payload)
         good = make_command("dev-1", "after-the-bad-ones")
         last = send(iggy, settings, good)
         await async_wait_until(lambda: dev.ids() == [good.id], what="the good command still arrives")
@@ -121,9 +120,10 @@ async def test_malformed_commands_are_dead_lettered_and_consumed(tmp_path: Path,
         assert len(dead) == len(bad)
         assert {d.reason for d in dead} == {"invalid_command"}
         assert sorted(d.payload for d in dead) == sorted(bad)
-        assert all(d.mqtt_topic.startswith(b"iggy:edge/commands.gw-test/") for d in dead)
+        rt = return_topic(settings)
+        assert all(d.mqtt_topic.startswith(f"iggy:{rt.stream}/{rt.topic}/0@".encode()) for d in dead)
         assert r.metric("iggy_edge_store_dead_letters_total", reason="invalid_command") == len(bad)
-        assert stored_offset(settings, commands_topic(settings), partition_of("dev-1", settings)) == last
+        assert stored_offset(settings) == last
         assert list(states(settings)) == [good.id]
 
 
@@ -159,11 +159,10 @@ async def test_duplicate_copy_in_iggy_is_delivered_once(tmp_path: Path, broker: 
 async def test_retained_config_replacement_through_the_agent(tmp_path: Path, broker: Broker) -> None:
     settings = downlink_settings(tmp_path, broker)
     iggy = MemoryIggy()
-    topic, part = config_topic(settings), partition_of("dev-1", settings)
     async with running(settings, iggy):
         for period in (10, 20, 30):
-            iggy.publish("edge", topic, part, make_config("dev-1", {"period_s": period}).wire())
-        await async_wait_until(lambda: stored_offset(settings, topic, part) == 2, what="configs consumed")
+            send(iggy, settings, make_config("dev-1", {"period_s": period}))
+        await async_wait_until(lambda: stored_offset(settings) == 2, what="configs consumed")
         await async_wait_until(lambda: _config_state(settings, "dev-1") == "delivered", what="retained")
     async with device(broker, "edge/dev-1/down/config") as late:
         # Retained messages come right after the SUBACK, before anything
@@ -182,6 +181,40 @@ def _config_state(settings: Settings, dev: str) -> str:
 # -- bounds and outages -----------------------------------------------------------------
 
 
+async def test_a_full_inbox_stops_the_poll_at_the_first_command_configs_before_it_are_taken(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Commands and configs share the partition: with the inbox full, the
+    poll takes what comes before the first command that does not fit and
+    leaves it, and everything after it, in Iggy, in order."""
+    settings = downlink_settings(tmp_path, broker, downlink={"max_inbox": 2})
+    iggy = MemoryIggy()
+    broker.stop()
+    c = [make_command("dev-1", "step", {"i": i}) for i in range(3)]
+    sent: list[Command | DesiredConfig] = [
+        c[0],
+        c[1],
+        make_config("dev-1", {"v": 1}),
+        c[2],
+        make_config("dev-2", {"v": 1}),
+    ]
+    async with running(settings, iggy) as r:
+        offsets = [send(iggy, settings, m) for m in sent]
+        await async_wait_until(lambda: r.metric("iggy_edge_downlink_inbox_full_total") >= 2, what="paused")
+        assert list(states(settings)) == [c[0].id, c[1].id]
+        assert stored_offset(settings) == offsets[2]  # the config before c2 is taken
+        assert _config_state(settings, "dev-1") == "received"
+        assert _config_state(settings, "dev-2") == ""
+        broker.start()
+        async with device(broker) as dev:
+            await async_wait_until(lambda: len(dev.ids()) == 3, timeout=20, what="all 3 commands")
+            assert dev.ids() == [x.id for x in c]
+            await async_wait_until(
+                lambda: _config_state(settings, "dev-2") == "delivered", what="dev-2 config"
+            )
+        assert stored_offset(settings) == offsets[-1]
+
+
 async def test_full_inbox_pauses_polling_and_commands_stay_in_iggy(tmp_path: Path, broker: Broker) -> None:
     iggy = MemoryIggy(partitions=1)
     settings = downlink_settings(
@@ -196,7 +229,7 @@ async def test_full_inbox_pauses_polling_and_commands_stay_in_iggy(tmp_path: Pat
             lambda: r.metric("iggy_edge_downlink_inbox_full_total") >= 2, what="polling paused"
         )
         assert list(states(settings)) == [c.id for c in cmds[:3]]
-        assert stored_offset(settings, commands_topic(settings), 0) == 2  # the rest is still only in Iggy
+        assert stored_offset(settings) == 2  # the rest is still only in Iggy
         assert r.metric("iggy_edge_downlink_inbox_records") == 3
         broker.start()
         async with device(broker) as dev:
@@ -350,25 +383,22 @@ async def test_real_iggy_command_send_delivery_and_mirrored_offset(
             "partitions": 3,
         },
     )
+    await provision(settings)  # the cloud side's job: the agent creates no topic
     agent = build_agent(settings)
     task = asyncio.create_task(agent.run())
     try:
         async with device(broker) as dev:
             cmds = [make_command("dev-1", "go", {"i": i}) for i in range(3)]
+            rt = return_topic(settings)
             for c in cmds:
-                await send_command(
-                    settings.iggy, "edge", commands_topic(settings), partition_of("dev-1", settings), c.wire()
-                )
+                await send_command(settings.iggy, rt.stream, rt.topic, rt.partition, c.wire(), c.headers())
             await async_wait_until(lambda: dev.ids() == [c.id for c in cmds], timeout=30, what="delivered")
-            part = partition_of("dev-1", settings)
-            await async_wait_until(
-                lambda: stored_offset(settings, commands_topic(settings), part) == 2, what="stored offset"
-            )
+            await async_wait_until(lambda: stored_offset(settings) == 2, what="stored offset")
             probe = IggyCommandSource(settings.iggy, settings.gateway_id, consumer_name(settings))
             try:
                 mirrored: int | None = None
                 for _ in range(100):
-                    mirrored = await probe.read_mirrored_offset("edge", commands_topic(settings), part)
+                    mirrored = await probe.read_mirrored_offset(rt.stream, rt.topic, rt.partition)
                     if mirrored == 2:
                         break
                     await asyncio.sleep(0.1)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from iggy_edge.config import Settings
 from iggy_edge.downlink import return_path
-from iggy_edge.downlink.commands import make_command
+from iggy_edge.downlink.commands import make_command, return_topic
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.runtime import Agent
 from iggy_edge.uplink.factory import make_command_source, make_uplink
@@ -18,6 +19,7 @@ from iggy_edge.uplink.factory import make_command_source, make_uplink
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, downlink_settings
 from tests.support.iggy_server import IggyServer
+from tests.support.provisioning import provision
 from tests.support.wait import async_wait_until
 
 CLI = str(Path(sys.executable).parent / "iggy-edge")
@@ -40,6 +42,8 @@ def write_config(tmp_path: Path, settings: Settings, iggy: dict[str, object]) ->
 
 async def cli(*args: str) -> tuple[int, str, str]:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}  # no IGGY_* from the caller's environment
+    if "PYTHONPATH" in os.environ:  # a worktree's agent (helper-common.md), not the installed one
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = await asyncio.create_subprocess_exec(
         CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
     )
@@ -99,6 +103,11 @@ async def test_send_and_push_through_a_real_iggy_server(
     }
     settings = downlink_settings(tmp_path, broker, iggy=iggy)
     conf = write_config(tmp_path, settings, iggy)
+    code, _, err = await cli("command", "send", "-c", str(conf), "-d", "dev-9", "--name", "early")
+    assert code == 1
+    assert "provision the gateway first: iggy-edge cloud provision-gateway --gateway gw-test" in err
+    await provision(settings)
+    rt = return_topic(settings)
     agent = Agent(
         settings,
         uplink=make_uplink(settings),
@@ -125,7 +134,7 @@ async def test_send_and_push_through_a_real_iggy_server(
         )
         assert code == 0, err
         sent = json.loads(out)
-        assert sent["topic"] == "commands.gw-test"
+        assert (sent["stream"], sent["topic"], sent["partition"]) == (rt.stream, "return.gw-test", 0)
         desired = tmp_path / "desired.json"
         desired.write_text('{"period_s": 15}')
         code, out, err = await cli("config", "push", "-c", str(conf), "-d", "dev-9", str(desired))

@@ -13,13 +13,15 @@ from iggy_edge.downlink.commands import (
     Ack,
     CommandState,
     InvalidCommand,
-    commands_topic,
-    config_topic,
     deliver_client_id,
+    legacy_topics,
     make_command,
     make_config,
     parse_ack,
     parse_command,
+    return_topic,
+    return_topic_of,
+    stream_shard,
 )
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.inbox_admin import read_commands, read_offsets
@@ -37,9 +39,29 @@ def cmd_bytes(**doc: object) -> bytes:
 
 def test_addressing_is_per_gateway(tmp_path: Path) -> None:
     s = downlink_settings(tmp_path)
-    assert commands_topic(s) == "commands.gw-test"
-    assert config_topic(s) == "config.gw-test"
+    rt = return_topic(s)
+    assert (rt.stream, rt.topic, rt.partition) == (
+        f"edge-rp-{stream_shard('gw-test', 8)}",
+        "return.gw-test",
+        0,
+    )
+    assert legacy_topics("gw-test", s.downlink) == ("commands.gw-test", "config.gw-test")
     assert deliver_client_id(s) == "iggy-edge-gw-test-deliver"
+
+
+def test_return_streams_are_a_stable_hash_of_the_gateway_id(tmp_path: Path) -> None:
+    """The cloud side and every gateway compute the same stream; at 10,000
+    gateways no stream of the default 8 comes near Iggy's 4,096 topics."""
+    s = downlink_settings(tmp_path)
+    assert stream_shard("gw-test", 8) == stream_shard("gw-test", 8)
+    assert return_topic_of("gw-test", s.downlink) == return_topic(s)
+    counts: dict[int, int] = {}
+    for i in range(10_000):
+        n = stream_shard(f"gw-{i:05d}", 8)
+        counts[n] = counts.get(n, 0) + 1
+    assert sorted(counts) == list(range(8))
+    assert max(counts.values()) < 1_400  # 1,250 each on average
+    assert max(counts.values()) < 4_096
 
 
 def test_parse_command_defaults_and_limits() -> None:

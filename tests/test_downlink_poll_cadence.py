@@ -1,21 +1,21 @@
-"""The return poll looks before it polls (issue 14, command latency).
-
-Between full rounds it asks the source for every partition's newest offset
-(`last_offsets`, one GET_TOPIC on a real server) and polls only partitions
-past what it has read; a server that refuses the look gets every partition
-polled, as before.  Real Mosquitto, MemoryIggy behind a recording wrapper, and
-`IggyCommandSource.last_offsets` against a real iggy-server when on PATH.
+"""The return poll's cadence (issue 23): one partition, polled once per
+poll_interval_s while quiet (one request per second at the default), 20
+times per interval for 3 intervals after a message came in.  The agent
+never creates its return-path topic.  Real Mosquitto, MemoryIggy behind a
+recording wrapper, and `IggyCommandSource.last_offsets` against a real
+iggy-server when on PATH.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 from iggy_edge.config import Settings
 from iggy_edge.downlink import poll
-from iggy_edge.downlink.commands import commands_topic, config_topic, make_command, partition_of
+from iggy_edge.downlink.commands import make_command, return_topic
 from iggy_edge.runtime import build_agent
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyCommandSource
@@ -25,6 +25,7 @@ from iggy_edge.uplink.protocol import PolledMessage, UplinkRejected
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, downlink_settings
 from tests.support.iggy_server import IggyServer
+from tests.support.return_path import provision, send
 from tests.support.wait import async_wait_until
 
 
@@ -36,7 +37,19 @@ class Recording:
         self.inner = inner
         self.refuse_looks = refuse_looks
         self.polled: list[tuple[str, int]] = []
+        self.times: list[float] = []
+        self.marks: dict[str, float] = {}
         self.looks = 0
+
+    @property
+    def first(self) -> float:
+        return self.times[0]
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic()
+
+    def count_between(self, start: float, end: float) -> int:
+        return sum(1 for t in self.times if start <= t < end)
 
     async def start(self) -> None:
         await self.inner.start()
@@ -45,6 +58,7 @@ class Recording:
         self, stream: str, topic: str, partition_id: int, offset: int, count: int
     ) -> list[PolledMessage]:
         self.polled.append((topic, partition_id))
+        self.times.append(time.monotonic())
         return await self.inner.poll(stream, topic, partition_id, offset, count)
 
     async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
@@ -60,57 +74,90 @@ class Recording:
         await self.inner.close()
 
 
-async def _deliver_one(settings: Settings, iggy: MemoryIggy, source: Recording, broker: Broker) -> int:
-    """Start the agent, wait for its first (full) round, send one command to
-    dev-1 and wait until the device has it; the number of polls of the first
-    round."""
+async def _deliver_one(settings: Settings, iggy: MemoryIggy, source: Recording, broker: Broker) -> None:
+    """Start the agent, wait for its first poll, let it idle `IDLE_S`, send
+    one command to dev-1 and wait until the device has it."""
     agent = build_agent(settings, uplink=iggy.uplink(), command_source=source)
     task = asyncio.create_task(agent.run())
     dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
     try:
         await asyncio.wait_for(agent.ready.wait(), 10)
-        # the start-up check polls one past the last partition of each topic,
-        # then the first round polls every partition
-        first_round = 2 * (settings.iggy.partitions + 1)
-        await async_wait_until(lambda: len(source.polled) >= first_round, what="first round")
-        before = len(source.polled)
+        await async_wait_until(lambda: source.polled, what="first poll")
+        await asyncio.sleep(IDLE_S)
+        source.mark("command")
         cmd = make_command("dev-1", "relay", {"on": True})
-        iggy.publish("edge", commands_topic(settings), partition_of("dev-1", settings), cmd.wire())
+        send(iggy, settings, cmd)
         await async_wait_until(lambda: dev.ids() == [cmd.id], what="device got the command")
-        return before
+        await asyncio.sleep(IDLE_S)
     finally:
         await dev.stop()
         agent.stop()
         await asyncio.wait_for(task, 15)
 
 
-async def test_between_full_rounds_only_partitions_with_new_messages_are_polled(
-    tmp_path: Path, broker: Broker, monkeypatch: pytest.MonkeyPatch
+IDLE_S = 2.0
+
+
+async def test_quiet_it_polls_the_one_partition_once_per_interval_and_faster_after_a_command(
+    tmp_path: Path, broker: Broker
 ) -> None:
-    monkeypatch.setattr(poll, "FULL_ROUND_EVERY", 10**6)  # only the first round is full
-    settings = downlink_settings(tmp_path, broker, downlink={"poll_interval_s": 0.25})
+    """One look at start (the topic is there, one partition), then only polls
+    of partition 0 of the return-path topic: one per poll_interval_s while
+    quiet, HOT_POLLS_PER_INTERVAL per interval for HOT_INTERVALS intervals
+    after the command, then quiet again."""
+    interval = 0.25
+    settings = downlink_settings(tmp_path, broker, downlink={"poll_interval_s": interval})
     iggy = MemoryIggy(partitions=3)
+    provision(iggy, settings)
     source = Recording(iggy.command_source(consumer_name(settings)))
-    first = await _deliver_one(settings, iggy, source, broker)
-    cmds, cfg = commands_topic(settings), config_topic(settings)
-    assert sorted(source.polled[:first]) == sorted((t, p) for t in (cmds, cfg) for p in range(4))
-    # afterwards: looks, and a poll of dev-1's partition alone
-    assert set(source.polled[first:]) == {(cmds, partition_of("dev-1", settings))}
-    assert source.looks > 0
+    await _deliver_one(settings, iggy, source, broker)
+    rt = return_topic(settings)
+    assert set(source.polled) == {(rt.topic, 0)}
+    assert source.looks == 3  # at start: the topic, and the two of the old scheme (none: nothing to read out)
+    quiet = source.count_between(source.first + 0.1, source.marks["command"])
+    # IDLE_S of quiet at one poll per interval (8), less what the first poll's wait takes
+    assert 4 <= quiet <= IDLE_S / interval + 2, quiet
+    hot_s = poll.HOT_INTERVALS * interval
+    hot = source.count_between(source.marks["command"] + 0.1, source.marks["command"] + hot_s - 0.1)
+    assert hot >= 0.5 * (hot_s - 0.2) / (interval / poll.HOT_POLLS_PER_INTERVAL), hot
+    after = source.count_between(source.marks["command"] + hot_s + 0.5, source.marks["command"] + IDLE_S)
+    assert after <= (IDLE_S - hot_s - 0.5) / interval + 2, after
 
 
-async def test_a_refused_look_falls_back_to_polling_every_partition(tmp_path: Path, broker: Broker) -> None:
+async def test_a_refused_look_does_not_stop_polling(tmp_path: Path, broker: Broker) -> None:
     settings = downlink_settings(tmp_path, broker, downlink={"poll_interval_s": 0.1})
     iggy = MemoryIggy(partitions=3)
+    provision(iggy, settings)
     source = Recording(iggy.command_source(consumer_name(settings)), refuse_looks=True)
     await _deliver_one(settings, iggy, source, broker)
-    assert source.looks == 1  # refused once, not asked again
-    polled = source.polled[2:]  # after the start-up check of the partition count
-    rounds = len(polled) // 6
-    assert rounds >= 2
-    every = sorted((t, p) for t in (commands_topic(settings), config_topic(settings)) for p in range(3))
-    for r in range(rounds):
-        assert sorted(polled[r * 6 : (r + 1) * 6]) == every
+    assert source.looks == 2  # the topic's, refused at start (then the old ones': refused, skipped)
+
+
+async def test_a_missing_return_topic_is_an_error_until_it_is_provisioned(
+    tmp_path: Path, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent never creates its topic: it says what to run, retries, and
+    picks the topic up once the cloud side made it."""
+    settings = downlink_settings(tmp_path, broker, downlink={"poll_interval_s": 0.05})
+    iggy = MemoryIggy(partitions=3, create_missing=False)
+    source = Recording(iggy.command_source(consumer_name(settings)))
+    agent = build_agent(settings, uplink=iggy.uplink(), command_source=source)
+    task = asyncio.create_task(agent.run())
+    dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        await async_wait_until(lambda: source.looks >= 2, what="the start retried")
+        assert not source.polled
+        assert "iggy-edge cloud provision-gateway --gateway gw-test" in caplog.text
+        assert (return_topic(settings).stream, return_topic(settings).topic) not in iggy.topics
+        provision(iggy, settings)
+        cmd = make_command("dev-1", "relay", {"on": True})
+        send(iggy, settings, cmd)
+        await async_wait_until(lambda: dev.ids() == [cmd.id], timeout=40, what="delivered once provisioned")
+    finally:
+        await dev.stop()
+        agent.stop()
+        await asyncio.wait_for(task, 15)
 
 
 @pytest.mark.iggy

@@ -27,13 +27,7 @@ import pytest
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.cli.main import app
 from iggy_edge.config import Settings
-from iggy_edge.downlink.commands import (
-    commands_topic,
-    config_topic,
-    make_command,
-    make_config,
-    partition_of,
-)
+from iggy_edge.downlink.commands import make_command, make_config, return_topic
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.inbox_admin import read_commands
 from iggy_edge.uplink.memory import MemoryIggy
@@ -41,7 +35,7 @@ from typer.testing import CliRunner
 
 from tests.support.broker import Broker
 from tests.support.downlink import FreezableProxy, downlink_settings
-from tests.support.return_path import running
+from tests.support.return_path import running, send
 from tests.support.wait import async_wait_until
 
 DEVICES = ("dev-a", "dev-b", "dev-c")
@@ -131,7 +125,7 @@ async def retained_now(port: int) -> list[tuple[str, str | None, Any]]:
 
 def push_config(iggy: MemoryIggy, settings: Settings, device: str, config: dict[str, Any], cid: str) -> None:
     cfg = make_config(device, config, config_id=cid)
-    iggy.publish("edge", config_topic(settings), partition_of(device, settings), cfg.wire())
+    send(iggy, settings, cfg)
 
 
 def config_states(settings: Settings) -> dict[str, tuple[str, str]]:
@@ -171,7 +165,7 @@ async def push_and_deliver(iggy: MemoryIggy, settings: Settings) -> dict[str, st
     for dev, cid in expected.items():
         push_config(iggy, settings, dev, {"period_s": 10, "dev": dev}, cid)
     cmd = make_command("dev-a", "reboot", {}, ttl_s=3600, command_id="cmd-1")
-    iggy.publish("edge", commands_topic(settings), partition_of("dev-a", settings), cmd.wire())
+    send(iggy, settings, cmd)
     await async_wait_until(lambda: all_delivered(settings, expected), 20, what="configs delivered")
     await async_wait_until(
         lambda: [r.state for r in read_commands(settings.buffer_path)] == ["delivered"], 20, what="command"
@@ -310,7 +304,7 @@ async def test_a_crash_after_an_autosave_restores_what_changed_since(tmp_path: P
             broker.start()
             push_config(iggy, settings, "dev-b", {"period_s": 2}, "b-1")
             cmd = make_command("dev-b", "reboot", {}, ttl_s=3600, command_id="cmd-b")
-            iggy.publish("edge", commands_topic(settings), partition_of("dev-b", settings), cmd.wire())
+            send(iggy, settings, cmd)
             await async_wait_until(lambda: all_delivered(settings, {"dev-b": "b-1"}), 20, what="b-1")
             await async_wait_until(
                 lambda: [r.state for r in read_commands(settings.buffer_path)] == ["delivered"],
@@ -412,7 +406,8 @@ async def test_marking_respects_newer_configs_and_the_time_bounds(tmp_path: Path
 
         async def store(dev: str, cid: str, period: int) -> None:
             cfg = make_config(dev, {"period_s": period}, config_id=cid)
-            await inbox.store_polled("edge", config_topic(settings), 0, 0, configs=[(cfg, "t/0@0")])
+            rt = return_topic(settings)
+            await inbox.store_polled(rt.stream, rt.topic, 0, 0, configs=[(cfg, "t/0@0")])
 
         async def deliver_all() -> None:
             await inbox.finish_configs([(c, "delivered", "") for c in await inbox.due_configs(10)])

@@ -16,7 +16,7 @@ from iggy_edge.cli.main import app
 from iggy_edge.clock_check import check_clock
 from iggy_edge.config import load_config, parse_config
 from iggy_edge.config_check import read_env_file
-from iggy_edge.downlink.commands import commands_topic, config_topic
+from iggy_edge.downlink.commands import return_topic
 from iggy_edge.uplink.iggy import IggyUplink
 from typer.testing import CliRunner
 
@@ -228,9 +228,9 @@ def test_iggy_login_and_permissions(tmp_path: Path, broker: Broker, iggy_server:
 
 @pytest.mark.iggy
 def test_iggy_downlink_topics_are_the_agents(tmp_path: Path, broker: Broker, iggy_server: Any) -> None:
-    """doctor asks for commands.<gateway>/config.<gateway>, the topics the
-    agent polls, not commands/config: no false "will create" once the agent
-    made them, and with create_missing off the fix names the right ones."""
+    """doctor asks for edge-rp-<n>/return.<gateway>, the topic the agent
+    polls: no false "will create" once it exists, and with create_missing
+    off the fix names the right one."""
     extra = (
         f'[iggy]\nkind = "iggy"\naddress = "{iggy_server.address}"\nusername = "{iggy_server.username}"\n'
         "create_missing = false\n"
@@ -242,16 +242,15 @@ def test_iggy_downlink_topics_are_the_agents(tmp_path: Path, broker: Broker, igg
     assert code == 1
     assert perms["status"] == "fail", perms
     missing = perms["detail"].split("missing topics: ")[1].split(" and ")[0].split(", ")
-    assert "edge/commands.gw-doc" in missing
-    assert "edge/config.gw-doc" in missing
-    assert "edge/commands" not in missing
-    assert perms["fix"].startswith("create edge/acks, ")
-    assert "edge/commands.gw-doc" in perms["fix"]
-    # what the agent creates at start (route topics and its downlink topics)
     settings = load_config(config, env=env)
+    rt = return_topic(settings)
+    assert f"{rt.stream}/return.gw-doc" in missing
+    assert "edge/commands.gw-doc" not in missing
+    assert perms["fix"].startswith("create edge/acks, ")
+    assert f"{rt.stream}/return.gw-doc" in perms["fix"]
+    # what provisioning creates (route topics and the return-path topic)
     wanted = [(r.stream, r.topic) for r in settings.routes]
-    wanted += [(settings.downlink.stream, commands_topic(settings))]
-    wanted += [(settings.downlink.stream, config_topic(settings))]
+    wanted += [(rt.stream, rt.topic)]
     made = settings.iggy.model_copy(update={"create_missing": True})
 
     async def create() -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from iggy_edge.config import parse_config
-from iggy_edge.downlink.commands import commands_topic, partition_of
 from iggy_edge.inbox_admin import read_commands
 from iggy_edge.reload import plan
 from iggy_edge.runtime import build_agent
@@ -27,6 +26,7 @@ from tests.support.broker import Broker
 from tests.support.downlink import downlink_settings
 from tests.support.mqtt import publish_all
 from tests.support.ports import free_port
+from tests.support.return_path import provision, send_raw
 from tests.support.wait import async_wait_until, wait_until
 
 AGENT = Path(sys.executable).parent / "iggy-edge"
@@ -163,6 +163,7 @@ async def test_a_reload_reaches_the_return_path(broker: Broker, tmp_path: Path) 
 
     settings = downlink_settings(tmp_path, broker)
     iggy = MemoryIggy()
+    provision(iggy, settings)
     agent = build_agent(
         settings, uplink=iggy.uplink(), command_source=iggy.command_source(consumer_name(settings))
     )
@@ -170,9 +171,7 @@ async def test_a_reload_reaches_the_return_path(broker: Broker, tmp_path: Path) 
 
     def send(cid: str) -> None:
         doc = {"id": cid, "device": "dev-1", "name": "blink", "created_at": 1_900_000_000}
-        iggy.publish(
-            "edge", commands_topic(settings), partition_of("dev-1", settings), json.dumps(doc).encode()
-        )
+        send_raw(iggy, settings, json.dumps(doc).encode())
 
     def ttl_of(cid: str) -> float | None:
         rows = {r.id: r for r in read_commands(settings.buffer_path)}

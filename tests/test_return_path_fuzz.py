@@ -37,6 +37,7 @@ from iggy_edge.downlink.commands import (
     Refused,
     make_command,
     make_config,
+    message_kind,
     read_command,
     read_config,
 )
@@ -204,6 +205,26 @@ def test_read_config_never_raises_and_passes_only_usable_configs(payload: bytes)
         check_usable(got)
 
 
+HEADERS = st.dictionaries(
+    st.one_of(st.just("kind"), st.text(max_size=8)),
+    st.one_of(st.sampled_from(["command", "config", "Command", " config", ""]), st.text(max_size=40)),
+    max_size=3,
+)
+
+
+@PURE
+@given(HEADERS)
+def test_message_kind_never_raises_and_names_only_the_two_kinds(headers: dict[str, str]) -> None:
+    got = message_kind(headers)
+    if isinstance(got, Refused):
+        assert got.reason == "invalid_command"
+        assert got.detail.isprintable()
+        assert headers.get("kind") not in ("command", "config")
+    else:
+        assert got == headers["kind"]
+        assert got in ("command", "config")
+
+
 # -- through the real return poll ------------------------------------------------------
 
 
@@ -215,17 +236,14 @@ async def through_the_poll(tmp: Path, commands: list[bytes], configs: list[bytes
         good = make_command("dev-1", "after-the-fuzz")
         last = h.send_raw(good.wire())
         last_cfg = h.send_raw(make_config("dev-2", {"ok": True}).wire(), config=True)
-        await async_wait_until(
-            lambda: h.offset() == last and h.offset(config=True) == last_cfg,
-            what="every offset consumed",
-        )
+        await async_wait_until(lambda: h.offset() == last_cfg, what="every offset consumed")
         assert not h.task.done()
     stored = {r.source: r for r in read_commands(s.buffer_path, limit=1000)}
-    # "iggy:edge/commands.gw-test/0@3" -> "commands.gw-test/0@3"
+    # "iggy:edge-rp-5/return.gw-test/0@3" -> "return.gw-test/0@3"
     dead = {d.mqtt_topic.decode().split("/", 1)[1]: d for d in read_dead_letters(s.buffer_path, limit=1000)}
-    assert stored[f"commands.gw-test/0@{last}"].id == good.id
+    assert stored[f"return.gw-test/0@{last}"].id == good.id
     for offset, payload in sent_cmds.items():
-        where = f"commands.gw-test/0@{offset}"
+        where = f"return.gw-test/0@{offset}"
         got = read_command(payload, now=NOW, default_ttl_s=3600)
         if where in stored:
             assert not isinstance(got, Refused)
@@ -237,9 +255,9 @@ async def through_the_poll(tmp: Path, commands: list[bytes], configs: list[bytes
             assert not isinstance(got, Refused)
             assert any(r.id == got.id for r in stored.values())
     config_rows = {device: source for device, _, _, source in read_configs(s.buffer_path)}
-    assert config_rows["dev-2"] == f"config.gw-test/0@{last_cfg}"
+    assert config_rows["dev-2"] == f"return.gw-test/0@{last_cfg}"
     for offset, payload in sent_cfgs.items():
-        where = f"config.gw-test/0@{offset}"
+        where = f"return.gw-test/0@{offset}"
         got_cfg = read_config(payload, now=NOW, fallback_id=f"offset-{offset}")
         if isinstance(got_cfg, Refused):
             assert dead[where].reason == "invalid_command"

@@ -21,12 +21,10 @@ from iggy_edge.downlink.commands import (
     Command,
     CommandState,
     InvalidCommand,
-    commands_topic,
     make_command,
     make_config,
     parse_ack,
     parse_command,
-    partition_of,
     read_command,
 )
 from iggy_edge.downlink.component import ACK_WRONG_DEVICE
@@ -92,7 +90,7 @@ async def test_poison_commands_are_dead_lettered_and_the_next_one_is_delivered(
     iggy = MemoryIggy()
     async with device(broker) as dev, running(settings, iggy) as r:
         for payload in POISON.values():
-            send_raw(iggy, settings, "dev-1", payload)
+            send_raw(iggy, settings, payload)
         good = make_command("dev-1", "after-the-poison")
         last = send(iggy, settings, good)
         await async_wait_until(lambda: dev.ids() == [good.id], what="the good command still arrives")
@@ -101,7 +99,7 @@ async def test_poison_commands_are_dead_lettered_and_the_next_one_is_delivered(
         assert {d.reason for d in dead} == {INVALID_COMMAND}
         assert all(d.detail for d in dead)
         assert all(d.detail.isprintable() for d in dead)
-        assert stored_offset(settings, commands_topic(settings), partition_of("dev-1", settings)) == last
+        assert stored_offset(settings) == last
         assert list(states(settings)) == [good.id]
         assert r.metric("iggy_edge_store_dead_letters_total", reason=INVALID_COMMAND) == len(POISON)
         assert r.agent.ready.is_set()
@@ -139,14 +137,14 @@ async def test_commands_for_unusable_device_ids_are_dead_lettered_with_the_offse
     iggy = MemoryIggy(partitions=1)
     async with device(broker) as dev, running(settings, iggy):
         for i, bad in enumerate(BAD_DEVICE_IDS):
-            send_raw(iggy, settings, "dev-1", raw(command_doc(id=f"bad-{i}", device=bad)))
+            send_raw(iggy, settings, raw(command_doc(id=f"bad-{i}", device=bad)))
         good = make_command("dev-1", "after")
         last = send(iggy, settings, good)
         await async_wait_until(lambda: dev.ids() == [good.id], what="the good command arrives")
         dead = read_dead_letters(settings.buffer_path)
         assert len(dead) == len(BAD_DEVICE_IDS)
         assert all("'device'" in d.detail for d in dead)
-        assert stored_offset(settings, commands_topic(settings), 0) == last
+        assert stored_offset(settings) == last
         assert [r.id for r in read_commands(settings.buffer_path)] == [good.id]
 
 
@@ -221,7 +219,7 @@ async def test_configs_beyond_max_config_devices_are_dead_lettered(tmp_path: Pat
             h.send_raw(make_config(f"dev-{i}", {"v": 1}).wire(), config=True)
         # A known device's newer config still replaces its row at the bound.
         last = h.send_raw(make_config("dev-0", {"v": 2}).wire(), config=True)
-        await async_wait_until(lambda: h.offset(config=True) == last, what="every config consumed")
+        await async_wait_until(lambda: h.offset() == last, what="every config consumed")
         rows = {device: state for device, _, state, _ in read_configs(settings.buffer_path)}
         assert sorted(rows) == ["dev-0", "dev-1", "dev-2"]
         dead = read_dead_letters(settings.buffer_path)
@@ -331,3 +329,38 @@ async def test_command_list_shows_the_result_the_device_sent(tmp_path: Path) -> 
     row = next(line for line in result.output.splitlines() if line.startswith("c-1"))
     assert "acked" in row
     assert row.endswith('result: {"t":21.5,"unit":"C"}')
+
+
+# -- issue 23: the kind header of the one return-path topic is untrusted too
+
+
+@pytest.mark.unit
+async def test_a_missing_or_unknown_kind_is_a_dead_letter_and_the_rest_goes_on(tmp_path: Path) -> None:
+    """Commands and configs share one partition; the kind header says which.
+    Without one, or with another value, the message is dead-lettered with
+    its reason and its offset consumed, like an invalid command; a config
+    sent as a command (or the reverse) is refused by that kind's parser."""
+    settings = downlink_settings(tmp_path)
+    async with poll_harness(settings) as h:
+        cfg = make_config("dev-1", {"v": 1})
+        bad = [
+            (make_command("dev-1", "no-kind").wire(), {}),
+            (make_command("dev-1", "odd").wire(), {"kind": "reboot\x1b[2J"}),
+            (make_command("dev-1", "upper").wire(), {"kind": "COMMAND"}),
+            (cfg.wire(), {"kind": "command"}),  # a config's fields are not a command's
+        ]
+        offsets = [h.send_raw(payload, headers=headers) for payload, headers in bad]
+        good = make_command("dev-1", "good")
+        h.send_raw(good.wire(), headers=good.headers())
+        last = h.send_raw(cfg.wire(), headers=cfg.headers())
+        await async_wait_until(lambda: h.offset() == last, what="everything consumed")
+        assert [r.name for r in read_commands(settings.buffer_path)] == ["good"]
+        assert [d for d, *_ in read_configs(settings.buffer_path)] == ["dev-1"]
+        dead = read_dead_letters(settings.buffer_path)
+        assert sorted(int(d.mqtt_topic.decode().rsplit("@", 1)[1]) for d in dead) == offsets
+        assert {d.reason for d in dead} == {INVALID_COMMAND}
+        details = sorted(d.detail for d in dead)
+        assert any("no 'kind' header" in d for d in details)
+        assert any("'kind' header is 'reboot\\x1b[2J'" in d for d in details)  # escaped, printable
+        assert all(d.isprintable() for d in details)
+        assert not h.task.done()

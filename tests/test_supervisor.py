@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from iggy_edge.cli.status import render
-from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
+from iggy_edge.downlink.commands import make_command
 from iggy_edge.metrics import Metrics
 from iggy_edge.runtime import Agent, build_agent
 from iggy_edge.scrape import Snapshot, figures
@@ -31,6 +31,7 @@ from rich.console import Console
 from tests.support.broker import Broker
 from tests.support.downlink import DeviceSubscriber, downlink_settings
 from tests.support.ports import free_port
+from tests.support.return_path import provision, send
 from tests.support.wait import async_wait_until
 
 
@@ -67,6 +68,7 @@ async def test_return_path_that_fails_in_its_task_group_is_restarted_and_health_
         tmp_path, broker, metrics={"enabled": True, "listen": f"127.0.0.1:{free_port()}"}
     )
     iggy = MemoryIggy()
+    provision(iggy, settings)
     source = FailsOnce(iggy, consumer_name(settings))
     agent = build_agent(settings, uplink=iggy.uplink(), command_source=source)
     device = await DeviceSubscriber(broker.host, broker.port, "edge/dev-1/down/cmd").start()
@@ -88,7 +90,7 @@ async def test_return_path_that_fails_in_its_task_group_is_restarted_and_health_
         assert 'iggy_edge_agent_stage_failing{stage="return_path"} 1.0' in metrics
 
         cmd = make_command("dev-1", "blink")
-        iggy.publish("edge", commands_topic(settings), partition_of("dev-1", settings), cmd.wire())
+        send(iggy, settings, cmd)
         # Restarted after its backoff (at most 2 s for the first restart).
         await async_wait_until(lambda: device.messages, 15, what=f"the command delivered ({sys.version})")
         assert device.messages[0].doc["id"] == cmd.id

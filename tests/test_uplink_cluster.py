@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from iggy_edge.cli.main import app
 from iggy_edge.config import ConfigError, IggySettings, Settings, load_config
-from iggy_edge.downlink.commands import commands_topic, make_command, partition_of
+from iggy_edge.downlink.commands import make_command, return_topic
 from iggy_edge.runtime import Agent, build_agent
 from iggy_edge.uplink.iggy import IggyCommandSource, IggyUplink, send_command
 from iggy_edge.uplink.iggy.cluster import decode_cluster_metadata
@@ -36,6 +36,7 @@ from tests.support.downlink import DeviceSubscriber
 from tests.support.iggy_server import IggyCluster, IggyServer, busiest_peer
 from tests.support.mqtt import Publisher
 from tests.support.ports import free_port
+from tests.support.provisioning import provision
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.wait import async_wait_until
 from tests.test_uplink_iggy import rec
@@ -390,6 +391,8 @@ async def test_return_poll_resumes_within_seconds_of_a_long_cut(
     settings = agent_settings(
         tmp_path, broker, [proxy.address], iggy_server, downlink={"enabled": True, "poll_interval_s": 0.5}
     )
+    await provision(settings)
+    rt = return_topic(settings)
     agent = build_agent(settings)
     task = asyncio.create_task(agent.run())
     dev = await DeviceSubscriber(broker.host, broker.port, "edge/+/down/#").start()
@@ -398,9 +401,7 @@ async def test_return_poll_resumes_within_seconds_of_a_long_cut(
         await asyncio.wait_for(agent.ready.wait(), 15)
         await wait_subscribed(agent)
         first = make_command("dev-r", "go", {"i": 0})
-        await send_command(
-            direct, "edge", commands_topic(settings), partition_of("dev-r", settings), first.wire()
-        )
+        await send_command(direct, rt.stream, rt.topic, rt.partition, first.wire(), first.headers())
         await async_wait_until(lambda: first.id in dev.ids(), 30, what="a command before the cut")
         errors = agent.metrics.value("iggy_edge_downlink_errors_total", kind="poll")
         await proxy.cut()
@@ -412,9 +413,7 @@ async def test_return_poll_resumes_within_seconds_of_a_long_cut(
         )
         await asyncio.sleep(max(0.0, 12.0 - (time.monotonic() - cut_at)))
         cmd = make_command("dev-r", "go", {"i": 1})
-        await send_command(
-            direct, "edge", commands_topic(settings), partition_of("dev-r", settings), cmd.wire()
-        )
+        await send_command(direct, rt.stream, rt.topic, rt.partition, cmd.wire(), cmd.headers())
         await proxy.restore()
         back_at = time.monotonic()
         await async_wait_until(
@@ -476,6 +475,8 @@ async def test_cluster_node_in_use_is_killed_under_load(
         forward={"linger_ms": 5, "backoff_initial_s": 0.5, "backoff_max_s": 30.0},
         downlink={"enabled": True, "poll_interval_s": 0.2},
     )
+    await provision(settings)
+    rt = return_topic(settings)
     agent = build_agent(settings)
     task = asyncio.create_task(agent.run())
     pub = await Publisher(broker.host, broker.port, "pub-load").connect()
@@ -516,7 +517,7 @@ async def test_cluster_node_in_use_is_killed_under_load(
         # A command sent through a surviving node reaches the device.
         via = iggy_settings([survivors[0].address], first.username, first.password)
         cmd = make_command("dev-a", "go", {"i": 1})
-        await send_command(via, "edge", commands_topic(settings), partition_of("dev-a", settings), cmd.wire())
+        await send_command(via, rt.stream, rt.topic, rt.partition, cmd.wire(), cmd.headers())
         await async_wait_until(lambda: cmd.id in dev.ids(), 60, what="command delivered after failover")
 
         # The dead node returns: forwarding goes on as before, and the node

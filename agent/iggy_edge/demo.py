@@ -18,6 +18,7 @@ import tty
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .cloud.provision import create_return_topic
 from .config import Settings
 from .local_services import IggyView, PrivateIggy, ServiceError
 from .logs import install_loop_exception_handler
@@ -28,6 +29,7 @@ from .routing import Router
 from .runtime import Agent, build_agent
 from .simulate import SimulatedSensor
 from .timeouts import wait_for
+from .uplink.protocol import UplinkError
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ async def run_demo(
         relay_iggy = settings.iggy.model_copy(update={"address": relay.address})
         settings = settings.model_copy(update={"iggy": relay_iggy})
     uplink = UplinkCut(relay, echo)
+    if iggy is not None and settings.downlink.enabled:  # the private server: the demo is the cloud side
+        with contextlib.suppress(UplinkError):
+            await create_return_topic(settings)
     agent = build_agent(settings)
     agent_task = asyncio.create_task(agent.run())
     background: list[asyncio.Task[None]] = []

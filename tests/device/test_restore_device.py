@@ -13,13 +13,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from iggy_edge.downlink.commands import config_topic, make_config, partition_of
+from iggy_edge.downlink.commands import make_config
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.broker import Broker
 from tests.support.downlink import downlink_settings
 from tests.support.micropython import Board, Flash, require_micropython
-from tests.support.return_path import running
+from tests.support.return_path import running, send
 from tests.support.wait import async_wait_until
 from tests.test_downlink_restore import config_states
 
@@ -49,7 +49,7 @@ async def test_a_rebooting_device_applies_the_restored_config(tmp_path: Path) ->
     try:
         async with running(settings, iggy) as agent:
             cfg = make_config(dev, {"period_ms": 150}, config_id="v1")
-            iggy.publish("edge", config_topic(settings), partition_of(dev, settings), cfg.wire())
+            send(iggy, settings, cfg)
             await async_wait_until(
                 lambda: config_states(settings).get(dev) == ("v1", "delivered"), 20, what="config retained"
             )

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import gmqtt
 from gmqtt.mqtt.constants import MQTTv50
 from iggy_edge.config import Settings
-from iggy_edge.downlink.commands import Command, commands_topic, config_topic, partition_of
+from iggy_edge.downlink.commands import (
+    KIND_COMMAND,
+    KIND_CONFIG,
+    KIND_HEADER,
+    Command,
+    DesiredConfig,
+    return_topic,
+)
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.poll import ReturnPoll
 from iggy_edge.inbox_admin import read_commands, read_offsets
@@ -33,17 +40,38 @@ def states(settings: Settings) -> dict[str, str]:
     return {r.id: r.state for r in reversed(read_commands(settings.buffer_path, limit=10_000))}
 
 
-def send(iggy: MemoryIggy, settings: Settings, cmd: Command) -> int:
-    """What the cloud side does: the gateway's command topic, the device's partition."""
-    return iggy.publish("edge", commands_topic(settings), partition_of(cmd.device, settings), cmd.wire())
+def provision(iggy: MemoryIggy, settings: Settings) -> None:
+    """What `iggy-edge cloud provision-gateway` does for the agent: its
+    return-path topic, one partition (the agent never creates it)."""
+    rt = return_topic(settings)
+    iggy.create_topic(rt.stream, rt.topic, 1)
 
 
-def send_raw(iggy: MemoryIggy, settings: Settings, device: str, payload: bytes) -> int:
-    return iggy.publish("edge", commands_topic(settings), partition_of(device, settings), payload)
+def send(iggy: MemoryIggy, settings: Settings, msg: Command | DesiredConfig) -> int:
+    """What the cloud side does: the gateway's return-path topic, with the kind header."""
+    return send_raw(iggy, settings, msg.wire(), headers=msg.headers())
+
+
+def send_raw(
+    iggy: MemoryIggy,
+    settings: Settings,
+    payload: bytes,
+    *,
+    config: bool = False,
+    headers: dict[str, str] | None = None,
+) -> int:
+    """`payload` to the gateway's return-path topic; the kind header says
+    command (or config), unless `headers` are given."""
+    rt = return_topic(settings)
+    provision(iggy, settings)
+    if headers is None:
+        headers = {KIND_HEADER: KIND_CONFIG if config else KIND_COMMAND}
+    return iggy.publish(rt.stream, rt.topic, rt.partition, payload, headers)
 
 
 class Running:
     def __init__(self, settings: Settings, iggy: MemoryIggy) -> None:
+        provision(iggy, settings)
         self.agent = build_agent(
             settings, uplink=iggy.uplink(), command_source=iggy.command_source(consumer_name(settings))
         )
@@ -105,9 +133,15 @@ async def publish(broker: Broker, topic: str, payload: bytes) -> None:
     await client.disconnect()
 
 
-def stored_offset(settings: Settings, topic: str, partition: int) -> int | None:
-    for stream, t, p, last, _ in read_offsets(settings.buffer_path):
-        if (stream, t, p) == ("edge", topic, partition):
+def stored_offset(
+    settings: Settings, topic: str | None = None, partition: int = 0, stream: str = ""
+) -> int | None:
+    """The inbox's last consumed offset of a partition (default: the return-path topic's)."""
+    if topic is None:
+        rt = return_topic(settings)
+        stream, topic, partition = rt.stream, rt.topic, rt.partition
+    for s, t, p, last, _ in read_offsets(settings.buffer_path):
+        if (s, t, p) == (stream or s, topic, partition):
             return last
     return None
 
@@ -125,13 +159,11 @@ class PollHarness:
     metrics: Metrics
     task: asyncio.Task[None]
 
-    def send_raw(self, payload: bytes, *, config: bool = False, partition: int = 0) -> int:
-        topic = config_topic(self.settings) if config else commands_topic(self.settings)
-        return self.iggy.publish("edge", topic, partition, payload)
+    def send_raw(self, payload: bytes, *, config: bool = False, headers: dict[str, str] | None = None) -> int:
+        return send_raw(self.iggy, self.settings, payload, config=config, headers=headers)
 
-    def offset(self, *, config: bool = False, partition: int = 0) -> int | None:
-        topic = config_topic(self.settings) if config else commands_topic(self.settings)
-        return stored_offset(self.settings, topic, partition)
+    def offset(self) -> int | None:
+        return stored_offset(self.settings)
 
 
 @contextlib.asynccontextmanager
@@ -140,6 +172,7 @@ async def poll_harness(settings: Settings) -> AsyncIterator[PollHarness]:
     outbox = await Outbox.open(settings.buffer_path, settings.buffer, settings.gateway_id, metrics)
     inbox = await Inbox.open(settings.buffer_path, settings)
     iggy = MemoryIggy(partitions=settings.iggy.partitions)
+    provision(iggy, settings)
     poll = ReturnPoll(settings, iggy.command_source(consumer_name(settings)), inbox, outbox, metrics)
     task = asyncio.create_task(poll.run(), name="return-poll-under-test")
     try:

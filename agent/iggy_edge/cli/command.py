@@ -2,10 +2,12 @@
 from an operator's seat.
 
 `send` and `push` write into Iggy exactly what the cloud side would: the
-gateway's own topic (``commands.<gateway>`` / ``config.<gateway>``), the
-device's partition.  They need a real server (``[iggy] kind = "iggy"`` or
-IGGY_ADDRESS): with ``kind = "memory"`` the store lives inside the agent's
-process and another process cannot reach it.  `list` reads the agent's
+gateway's return-path topic (``edge-rp-<n>/return.<gateway>``, partition 0),
+with the ``kind`` header saying ``command`` or ``config``.  They never create
+the topic (``iggy-edge cloud provision-gateway`` does).  They need a real
+server (``[iggy] kind = "iggy"`` or IGGY_ADDRESS): with ``kind = "memory"``
+the store lives inside the agent's process and another process cannot
+reach it.  `list` reads the agent's
 buffer database read-only; it works while the agent runs.
 
 `config republish` marks configs in the agent's buffer database for the
@@ -28,14 +30,15 @@ from typing import Annotated, Any
 import typer
 
 from ..config import Settings
+from ..device_ids import gateway_id_problem
 from ..downlink.commands import (
+    Command,
+    DesiredConfig,
     InvalidCommand,
-    commands_topic,
-    config_topic,
     make_command,
     make_config,
-    partition_of,
     printable,
+    return_topic_of,
 )
 from ..inbox_admin import read_commands, read_configs, read_offsets, request_republish
 from ..uplink.iggy import send_command
@@ -45,19 +48,33 @@ from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 app = typer.Typer(help="Send commands to devices through Iggy and see their states.", no_args_is_help=True)
 
 
-def _publish(settings: Settings, topic: str, device: str, payload: bytes) -> dict[str, Any]:
+def _publish(settings: Settings, gateway: str | None, msg: Command | DesiredConfig) -> dict[str, Any]:
     if settings.iggy.kind != "iggy":
         raise fail(
             f'iggy kind is "{settings.iggy.kind}": sending needs a real Iggy server ([iggy] kind = "iggy" '
             "or IGGY_ADDRESS). A memory Iggy lives inside the agent process and cannot be reached from here.",
             2,
         )
-    stream, partition = settings.downlink.stream, partition_of(device, settings)
+    gateway = gateway or settings.gateway_id
+    problem = gateway_id_problem(gateway)
+    if problem is not None:
+        raise fail(f"--gateway: {problem}", 2)
+    rt = return_topic_of(gateway, settings.downlink)
+    iggy = settings.iggy.model_copy(update={"create_missing": False})  # provisioning's job, not ours
     try:
-        offset = asyncio.run(send_command(settings.iggy, stream, topic, partition, payload))
+        offset = asyncio.run(send_command(iggy, rt.stream, rt.topic, rt.partition, msg.wire(), msg.headers()))
     except UplinkError as e:
-        raise fail(f"not sent: {e}") from None
-    return {"stream": stream, "topic": topic, "partition": partition, "offset": offset}
+        hint = ""
+        if "does not exist" in str(e):
+            hint = f" (provision the gateway first: iggy-edge cloud provision-gateway --gateway {gateway})"
+        raise fail(f"not sent: {e}{hint}") from None
+    return {"stream": rt.stream, "topic": rt.topic, "partition": rt.partition, "offset": offset}
+
+
+GatewayOption = Annotated[
+    str | None,
+    typer.Option("--gateway", "-g", help="The gateway serving the device (default: the config's gateway_id)"),
+]
 
 
 @app.command("send")
@@ -70,6 +87,7 @@ def send(
         typer.Option("--ttl", min=0.001, help="Seconds until it expires (default downlink.default_ttl_s)."),
     ] = None,
     command_id: Annotated[str | None, typer.Option("--id", help="Command id (default: random).")] = None,
+    gateway: GatewayOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was sent as one JSON object.")] = False,
     config: ConfigOption = DEFAULT_CONFIG,
 ) -> None:
@@ -91,7 +109,7 @@ def send(
         )
     except InvalidCommand as e:
         raise fail(str(e), 2) from None
-    where = _publish(settings, commands_topic(settings), device, cmd.wire())
+    where = _publish(settings, gateway, cmd)
     if as_json:
         typer.echo(json.dumps({"id": cmd.id, "device": device, "expires_at": cmd.expires_at, **where}))
         return
@@ -156,6 +174,7 @@ def config_push(
     config_id: Annotated[
         str | None, typer.Option("--id", help="Config id/version (default: random).")
     ] = None,
+    gateway: GatewayOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was sent as one JSON object.")] = False,
     config: ConfigOption = DEFAULT_CONFIG,
 ) -> None:
@@ -171,7 +190,7 @@ def config_push(
         cfg = make_config(device, desired, config_id=config_id)
     except InvalidCommand as e:
         raise fail(str(e), 2) from None
-    where = _publish(settings, config_topic(settings), device, cfg.wire())
+    where = _publish(settings, gateway, cfg)
     if as_json:
         typer.echo(json.dumps({"id": cfg.id, "device": device, **where}))
     else:

@@ -68,6 +68,7 @@ _COMMANDS: dict[str, Callable[[typer.Typer], None]] = {
     "buffer": _group("buffer"),
     "service": _group("service"),
     "device": _group("device"),
+    "cloud": _group("cloud"),
 }
 
 

@@ -192,11 +192,21 @@ class ForwardSettings(_Model):
 
 
 class DownlinkSettings(_Model):
-    """Return path (see docs/return-path.md).  Each gateway reads its own
-    Iggy topics ``{commands_topic}.{gateway_id}`` and ``{config_topic}.{gateway_id}``
-    in `stream`, partitioned by device id with `iggy.partitions` partitions."""
+    """Return path (see docs/return-path.md).  Each gateway reads one Iggy
+    topic of one partition, ``{return_topic}.{gateway_id}`` in stream
+    ``{stream_prefix}-{n}`` (n = a stable hash of the gateway id mod
+    `stream_shards`), commands and desired configs told apart by a ``kind``
+    header.  `stream`, `commands_topic` and `config_topic` name the earlier
+    two-topic scheme, read once at upgrade for what was pending there."""
 
     enabled: bool = True
+    # Changing any of these three moves every gateway's topic: a migration
+    # (docs/return-path.md, "Changing the shard count").
+    stream_prefix: IggyName = "edge-rp"
+    stream_shards: Annotated[int, Field(ge=1, le=4096)] = 8
+    return_topic: IggyName = "return"
+    # The two-topic scheme before it (a migration reads them once, then never).
+    migrate_legacy: bool = True
     stream: IggyName = "edge"
     commands_topic: IggyName = "commands"
     config_topic: IggyName = "config"

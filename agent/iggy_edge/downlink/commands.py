@@ -2,13 +2,20 @@
 
 Addressing (why one Iggy topic per gateway, see docs/return-path.md)
 --------------------------------------------------------------------
-A gateway reads the topics ``{commands_topic}.{gateway_id}`` and
-``{config_topic}.{gateway_id}`` in the downlink stream (``edge`` by default),
-and nothing else.  Inside such a topic a message goes to partition
-``partition_for(device, partitions)`` (uplink/partition.py), so one device's
-commands keep their order while the topic can still be read in parallel.
-The cloud side learns which gateway serves a device from the ``gateway-id``
-header every uplink record carries.
+A gateway reads one topic, ``{return_topic}.{gateway_id}`` (``return.<gw>``)
+of ONE partition, in stream ``{stream_prefix}-{n}`` (``edge-rp-<n>``) where
+n = `stream_shard` (blake2b of the gateway id mod ``stream_shards``, the
+hash `partition_for` uses), and nothing else.  Commands and desired configs
+share the topic; a message's ``kind`` user header (`KIND_HEADER`) says which
+(`KIND_COMMAND`, `KIND_CONFIG`).  One partition keeps every device's order.
+Sharding keeps each stream under Iggy's 4,096 topics per stream.  The cloud
+side learns which gateway serves a device from the ``gateway-id`` header
+every uplink record carries, and computes the same `return_topic_of`.
+
+Before, a gateway read two topics, ``{commands_topic}.{gateway_id}`` and
+``{config_topic}.{gateway_id}`` in ``stream`` (``edge``), of ``iggy.partitions``
+partitions each (`legacy_topics`); the return poll reads what is pending
+there once after the upgrade (docs/return-path.md, "Migration").
 
 Wire formats (JSON objects, UTF-8)::
 
@@ -49,11 +56,12 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, TypeVar
 
-from ..config import Settings
+from ..config import DownlinkSettings, Settings
 from ..device_ids import device_id_problem
 from ..uplink.partition import partition_for
 
@@ -125,6 +133,10 @@ class Command:
         }
         return json.dumps(doc, separators=_SEP).encode()
 
+    def headers(self) -> dict[str, str]:
+        """The Iggy user headers the cloud side sends it with."""
+        return {KIND_HEADER: KIND_COMMAND}
+
 
 @dataclass(frozen=True, slots=True)
 class DesiredConfig:
@@ -140,6 +152,9 @@ class DesiredConfig:
     def wire(self) -> bytes:
         doc = {"id": self.id, "device": self.device, "config": self.config, "created_at": self.created_at}
         return json.dumps(doc, separators=_SEP).encode()
+
+    def headers(self) -> dict[str, str]:
+        return {KIND_HEADER: KIND_CONFIG}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,20 +175,55 @@ class Ack:
 
 # -- addressing -----------------------------------------------------------------
 
-
-def commands_topic(settings: Settings) -> str:
-    """This gateway's Iggy command topic."""
-    return f"{settings.downlink.commands_topic}.{settings.gateway_id}"
-
-
-def config_topic(settings: Settings) -> str:
-    """This gateway's Iggy desired-config topic."""
-    return f"{settings.downlink.config_topic}.{settings.gateway_id}"
+KIND_HEADER: Final = "kind"  # user header of every return-path message
+KIND_COMMAND: Final = "command"
+KIND_CONFIG: Final = "config"
+KINDS: Final = (KIND_COMMAND, KIND_CONFIG)
+RETURN_PARTITION: Final = 0  # the return-path topic has one partition
 
 
-def partition_of(device: str, settings: Settings) -> int:
-    """The partition of a device's messages in the gateway's topics."""
-    return partition_for(device, settings.iggy.partitions)
+@dataclass(frozen=True, slots=True)
+class ReturnTopic:
+    """Where a gateway's commands and configs go: stream, topic, partition."""
+
+    stream: str
+    topic: str
+    partition: int = RETURN_PARTITION
+
+
+def stream_shard(gateway_id: str, shards: int) -> int:
+    """The gateway's return-path stream number, 0..shards-1 (stable: blake2b)."""
+    return partition_for(gateway_id, shards)
+
+
+def return_topic_of(gateway_id: str, downlink: DownlinkSettings) -> ReturnTopic:
+    """Any gateway's return-path topic (the cloud side's view)."""
+    n = stream_shard(gateway_id, downlink.stream_shards)
+    return ReturnTopic(f"{downlink.stream_prefix}-{n}", f"{downlink.return_topic}.{gateway_id}")
+
+
+def return_topic(settings: Settings) -> ReturnTopic:
+    """This gateway's return-path topic."""
+    return return_topic_of(settings.gateway_id, settings.downlink)
+
+
+def legacy_topics(gateway_id: str, downlink: DownlinkSettings) -> tuple[str, str]:
+    """The two topics of the earlier scheme (in ``downlink.stream``): commands, config."""
+    return f"{downlink.commands_topic}.{gateway_id}", f"{downlink.config_topic}.{gateway_id}"
+
+
+def message_kind(headers: Mapping[str, str]) -> str | Refused:
+    """Trust boundary for the ``kind`` header: `KIND_COMMAND`, `KIND_CONFIG`,
+    or why the message is refused (missing, or another value).  Never raises."""
+    kind = headers.get(KIND_HEADER)
+    if kind in KINDS:
+        return kind
+    if kind is None:
+        detail = f"no {KIND_HEADER!r} header (expected {KIND_COMMAND!r} or {KIND_CONFIG!r})"
+    else:
+        shown = printable(str(kind), 80)
+        detail = f"{KIND_HEADER!r} header is '{shown}', not {KIND_COMMAND!r} or {KIND_CONFIG!r}"
+    return Refused(INVALID_COMMAND, printable(detail))
 
 
 def deliver_client_id(settings: Settings) -> str:

@@ -167,6 +167,19 @@ class Inbox:
                 (offset, stream, topic, partition_id),
             )
 
+    async def note(self, key: str) -> str | None:
+        """A value the return path keeps about itself (``downlink_meta``)."""
+        rows = await self._fetchall("SELECT value FROM downlink_meta WHERE key = ?", (key,))
+        return None if not rows else str(rows[0][0])
+
+    async def set_note(self, key: str, value: str) -> None:
+        async with self._transaction():
+            await self._conn.execute(
+                "INSERT INTO downlink_meta (key, value, updated_at) VALUES (?, ?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+                (key, value, time.time()),
+            )
+
     # -- the return poll's transaction ---------------------------------------
 
     async def store_polled(

@@ -22,6 +22,11 @@ CREATE TABLE IF NOT EXISTS downlink_offsets (
     updated_at REAL NOT NULL,
     PRIMARY KEY (stream, topic, partition_id)
 );
+CREATE TABLE IF NOT EXISTS downlink_meta (
+    key TEXT PRIMARY KEY,               -- e.g. "legacy_drained": the two-topic scheme was read out
+    value TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS downlink_commands (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order = delivery order
     id TEXT NOT NULL UNIQUE,

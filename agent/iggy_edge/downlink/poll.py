@@ -1,8 +1,12 @@
-"""Return poll: this gateway's command and config topics in Iggy -> inbox.
+"""Return poll: this gateway's return-path topic in Iggy -> inbox.
 
-* Reads ``commands.<gateway>`` and ``config.<gateway>`` (commands.py) through
-  `CommandSource`, partition by partition (``iggy.partitions`` of them), from
-  the offset after the last one stored in SQLite.
+* Reads ``{return_topic}.{gateway}`` in stream ``{stream_prefix}-{n}``
+  (commands.py, "Addressing") through `CommandSource`: one partition, from
+  the offset after the last one stored in SQLite.  Each message's ``kind``
+  header says whether it is a command or a desired config (`message_kind`,
+  untrusted: a missing or unknown kind is a dead letter, reason
+  ``invalid_command``).  After an upgrade from the two-topic scheme, what is
+  pending in the old topics is read first, once (legacy.py).
 * Each poll's messages and the new offset are committed in one transaction
   (inbox.py); only then is the offset mirrored to the Iggy server, bounded by
   `mirror_timeout_s` and best effort: a failed mirror is retried on the next
@@ -12,41 +16,37 @@
   `read_config` (commands.py), which never raise: a payload that is not a
   valid command/config -- not JSON, a bad field, unencodable, too deep, a
   number too big -- is dead-lettered (reason ``invalid_command``) and its
-  offset is consumed like any other, so one bad message cannot block a
+  offset is consumed like any other, so one bad message cannot block the
   partition.  So is one the inbox insert refuses for its own values
   (`RowRefused`; the rest of the batch is stored), and a config for a device
   beyond ``max_config_devices`` (reason ``too_many_config_devices``).  A
   dead letter is committed first, on the outbox's connection (the
   `DeadLetterSink` it is given); a crash before the offset commit re-reads
   the message and may dead-letter it a second time (never loses it).
-* Backpressure: when `max_inbox` commands wait for delivery, command
-  partitions are not polled; the commands stay in Iggy and the pause is
-  counted (``iggy_edge_downlink_inbox_full``).  A poll never takes more than
-  the room left.
+* Backpressure: when `max_inbox` commands wait for delivery, the poll
+  consumes no further command: it stops at the first one (configs before it
+  are taken); it and everything after it stay in Iggy, in order, and the
+  pause is counted (``iggy_edge_downlink_inbox_full``).
+* The agent never creates the topic (the cloud side provisions it, with the
+  gateway's Iggy user: cloud/provision.py).  At start it looks at it once: a
+  missing topic is an error naming the provisioning command, retried with
+  backoff; a topic of more than one partition is a warning (only partition 0
+  is read).
 * Iggy down: polls fail (bounded by the adapter), are counted and retried
   with backoff; delivery of what is already in the inbox goes on.  A long
   backoff is spent probing the nodes (`probe.py`, a TCP connect every
   0.5-1 s), so polling resumes within about a second of the link returning.
 
-Cadence (what it costs the Iggy server): a poll of an empty partition and a
-look at a topic's partitions (`CommandSource.last_offsets`, one GET_TOPIC for
-all of them) cost the server about the same, so the return poll looks before
-it polls and polls only the partitions with something new.  The commands
-topic is looked at every ``poll_interval_s / PROBES_PER_INTERVAL`` (0.2 s at
-the default 1 s), the config topic every ``poll_interval_s``, and every
-``FULL_ROUND_EVERY`` intervals every partition is polled regardless, in case
-the server's figures ever lag.  A server that refuses the look (the user may
-poll but not read topic details) gets the plain cadence: every partition
-every ``poll_interval_s``.  Idle, that is 5 + 1 + 2n/20 requests per second
-with n = ``iggy.partitions`` (6.3 at the default 3; polling every partition
-each second was 2n = 6), and a command waits at most 0.2 s for its first
-look instead of 1 s.  While messages come in, a round follows the previous
-one at once, as before.  Commands come in bursts (an operator, a rule firing
-for a group of devices), so for ``HOT_INTERVALS`` poll intervals after a
-round that got a command the commands topic is looked at
-``HOT_LOOKS_PER_INTERVAL`` times per interval (every 50 ms at the default):
-20 looks a second while commands flow, back to 5 three seconds after the
-last one.  bench/command_latency_bench.py prints the requests per second.
+Cadence (what it costs the Iggy server): with one partition a poll is the
+cheapest look there is (an empty poll and a GET_TOPIC cost the server about
+the same), so the return poll just polls.  Quiet, it polls every
+``poll_interval_s`` (1.0 s: one request per second; a command waits up to
+that for its poll), measured start to start so the rate holds exactly.
+Commands come in bursts, so for ``HOT_INTERVALS`` poll intervals after a
+round that got a message it polls ``HOT_POLLS_PER_INTERVAL`` times per
+interval (every 50 ms at the default); while messages come in, a round
+follows the previous one at once.  bench/command_latency_bench.py prints
+the requests per second and the latencies.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 from ..backoff import backoff_delay
@@ -68,37 +67,30 @@ from ..timeouts import wait_for
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
     INVALID_COMMAND,
+    KIND_COMMAND,
     Command,
     CommandState,
     DesiredConfig,
     Refused,
-    commands_topic,
-    config_topic,
+    message_kind,
     printable,
     read_command,
     read_config,
+    return_topic,
 )
 from .inbox import Inbox, RowRefused, StoredBatch
+from .legacy import DRAINED_NOTE, Partition, find_legacy
 
 log = logging.getLogger(__name__)
 
 TOO_MANY_CONFIG_DEVICES: Final = "too_many_config_devices"
 BACKOFF_MAX_S: Final = 30.0
-PROBES_PER_INTERVAL: Final = 5  # looks at the commands topic per poll_interval_s
-HOT_LOOKS_PER_INTERVAL: Final = 20  # ... while commands come in
-HOT_INTERVALS: Final = 3  # poll intervals after the last command that count as "coming in"
-FULL_ROUND_EVERY: Final = 20  # poll intervals between rounds that poll every partition
+HOT_POLLS_PER_INTERVAL: Final = 20  # polls per poll_interval_s while messages come in
+HOT_INTERVALS: Final = 3  # poll intervals after the last message that count as "coming in"
 
 
-@dataclass(frozen=True, slots=True)
-class _Partition:
-    stream: str
-    topic: str
-    partition_id: int
-    is_config: bool
-
-    def source(self, offset: int) -> str:
-        return f"{self.topic}/{self.partition_id}@{offset}"
+class ReturnTopicMissing(UplinkRejected):
+    """The gateway's return-path topic is not on the server (not provisioned)."""
 
 
 class ReturnPoll:
@@ -119,46 +111,57 @@ class ReturnPoll:
         self._metrics = metrics
         self._on_stored = on_stored
         self._limited = RateLimitedLog(log)
-        stream, n = self._dl.stream, settings.iggy.partitions
-        self.partitions = [
-            *(_Partition(stream, commands_topic(settings), p, False) for p in range(n)),
-            *(_Partition(stream, config_topic(settings), p, True) for p in range(n)),
-        ]
-        self._last: dict[_Partition, int] = {}
-        self._mirrored: dict[_Partition, int | None] = {}
-        self._next_config = 0.0  # monotonic: when the config topic is looked at next
-        self._next_full = 0.0  # monotonic: when every partition is polled next
-        # False once the server refused a look (a user allowed to poll but not
-        # to read topic details): then every round polls every partition.
-        self._looks = True
-        self._last_command = -float("inf")  # monotonic: when a round last got a command
+        rt = return_topic(settings)
+        self.main = Partition(rt.stream, rt.topic, rt.partition, None)
+        self.legacy: list[Partition] = []  # the old topics' partitions still to read out (legacy.py)
+        self._stored: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+        self._last: dict[Partition, int] = {}
+        self._mirrored: dict[Partition, int | None] = {}
+        self._last_message = -float("inf")  # monotonic: when a round last got a message
+        self._round_started = 0.0
 
     def reconfigure(self, settings: Settings) -> None:
         """Polling cadence, batch, inbox bound and TTL from `settings` (a reload)."""
         self._settings = settings
         self._dl = settings.downlink
 
+    @property
+    def partitions(self) -> list[Partition]:
+        """What the next round polls: the old topics while they are read out, then the new one."""
+        return self.legacy or [self.main]
+
+    def _track(self, part: Partition) -> None:
+        last, mirrored = self._stored.get((part.stream, part.topic, part.partition_id), (-1, None))
+        self._last[part] = last
+        self._mirrored[part] = mirrored
+
     async def run(self) -> None:
-        stored = await self._inbox.offsets()
-        for part in self.partitions:
-            last, mirrored = stored.get((part.stream, part.topic, part.partition_id), (-1, None))
-            self._last[part] = last
-            self._mirrored[part] = mirrored
-        resumed = {f"{p.topic}/{p.partition_id}": self._last[p] + 1 for p in self.partitions}
-        log.info("return poll: resuming at %s", resumed)
+        self._stored = await self._inbox.offsets()
+        self._track(self.main)
+        migrate = self._dl.migrate_legacy and await self._inbox.note(DRAINED_NOTE) is None
+        log.info(
+            "return poll: resuming %s/%s at %d", self.main.stream, self.main.topic, self._last[self.main] + 1
+        )
         failures = 0
         started = False
         while True:
             try:
                 if not started:
                     await self._source.start()
+                    await self._check_topic()
+                    if migrate:
+                        await self._find_legacy()
                     started = True
-                    await self._check_partition_count()
+                self._round_started = time.monotonic()
                 got = await self._round()
             except UplinkError as e:
                 self._metrics.downlink_errors.labels("poll").inc()
                 delay = backoff_delay(failures, self._dl.poll_interval_s, BACKOFF_MAX_S)
                 failures += 1
+                if isinstance(e, UplinkRejected):  # the server answered: no probing
+                    self._limited.error("rejected", "return poll: %s; retrying in %.1fs", e, delay)
+                    await asyncio.sleep(delay)
+                    continue
                 self._limited.warning(
                     "poll",
                     "return poll: Iggy not reachable (%s); retrying in %.1fs; delivery goes on",
@@ -171,116 +174,124 @@ class ReturnPoll:
             failures = 0
             await self._mirror_all()
             if not got:
-                await asyncio.sleep(self._pause())
+                await asyncio.sleep(max(0.0, self._round_started + self._pause() - time.monotonic()))
 
     def _pause(self) -> float:
-        """Seconds until the next look (module docstring: cadence)."""
+        """Seconds from one round's start to the next (module docstring: cadence)."""
         interval = self._dl.poll_interval_s
-        if not self._looks:
-            return interval
-        if time.monotonic() - self._last_command < HOT_INTERVALS * interval:
-            return interval / HOT_LOOKS_PER_INTERVAL
-        return interval / PROBES_PER_INTERVAL
+        if time.monotonic() - self._last_message < HOT_INTERVALS * interval:
+            return interval / HOT_POLLS_PER_INTERVAL
+        return interval
 
-    async def _check_partition_count(self) -> None:
-        """Warn when a topic has more partitions than we read (their commands
-        would never arrive): a poll one past our count must be refused."""
-        n = self._settings.iggy.partitions
-        for topic in (commands_topic(self._settings), config_topic(self._settings)):
-            try:
-                await self._source.poll(self._dl.stream, topic, n, 0, 1)
-            except UplinkError:
-                continue  # as expected: no partition n
-            log.error(
-                "return poll: %s/%s has more than iggy.partitions=%d partitions; commands in the extra"
-                " partitions are NOT read -- set iggy.partitions to the topic's count",
-                self._dl.stream,
-                topic,
-                n,
+    async def _check_topic(self) -> None:
+        """One look at the return-path topic at start: there, one partition."""
+        part = self.main
+        try:
+            newest = await self._source.last_offsets(part.stream, part.topic)
+        except UplinkRejected as e:
+            log.warning("return poll: the server refuses a look at %s/%s (%s); polling on", *part.names, e)
+            return
+        if newest is None:
+            raise ReturnTopicMissing(
+                f"the return-path topic {part.stream}/{part.topic} does not exist: the agent does not create"
+                f" it; provision the gateway from the cloud side with admin credentials:"
+                f" iggy-edge cloud provision-gateway --gateway {self._settings.gateway_id}"
+            )
+        if len(newest) > 1:
+            log.warning(
+                "return poll: %s/%s has %d partitions; only partition %d is read (commands and configs"
+                " must go to it: a device's order is kept by the single partition)",
+                part.stream,
+                part.topic,
+                len(newest),
+                part.partition_id,
             )
 
+    async def _find_legacy(self) -> None:
+        found = await find_legacy(self._settings, self._source)
+        if found is None:
+            return  # logged; tried again at the next start
+        for part in found:
+            self._track(part)
+        self.legacy = found
+        if found:
+            log.info(
+                "return poll: reading what is pending in the two-topic scheme's %s first (%d partitions)",
+                ", ".join(sorted({f"{p.stream}/{p.topic}" for p in found})),
+                len(found),
+            )
+        else:
+            await self._legacy_done()
+
+    async def _legacy_done(self) -> None:
+        await self._inbox.set_note(DRAINED_NOTE, f"{time.time():.0f}")
+        log.info("return poll: nothing (more) pending in the two-topic scheme's topics: no longer polled")
+
     async def _round(self) -> int:
-        """Poll the partitions that have something new (all of them on a full
-        round); the number of messages consumed."""
-        now = time.monotonic()
-        full = not self._looks or now >= self._next_full
-        if full:
-            self._next_full = now + FULL_ROUND_EVERY * self._dl.poll_interval_s
-        with_config = full or now >= self._next_config
-        if with_config:
-            self._next_config = now + self._dl.poll_interval_s
-        total = 0
+        """Poll the partitions due; the number of messages consumed."""
         waiting = await self._inbox.waiting()
         self._metrics.inbox_records.set(waiting)
         room = self._dl.max_inbox - waiting
-        for part in await self._due(full, with_config):
-            if part.is_config:
-                total += await self._poll_or_skip(part, self._dl.poll_batch)
+        total = 0
+        empty: list[Partition] = []
+        for part in self.partitions:
+            if part.kind == KIND_COMMAND and room <= 0:
+                self._inbox_full()
                 continue
-            if room <= 0:
-                self._metrics.downlink_inbox_full.inc()
-                self._limited.warning(
-                    "inbox-full",
-                    "return poll: inbox full (%d commands wait for delivery): paused, commands stay in Iggy",
-                    self._dl.max_inbox,
-                )
+            polled = await self._poll_or_skip(part, room)
+            if polled is None:
+                if part in self.legacy:
+                    self._abandon_legacy()
+                    break
                 continue
-            got = await self._poll_or_skip(part, min(self._dl.poll_batch, room))
-            room -= got
+            got, commands = polled
+            room -= commands
             total += got
-            if got:
-                self._last_command = time.monotonic()
+            if got == 0:
+                empty.append(part)
         if total:
+            self._last_message = time.monotonic()
             self._metrics.inbox_records.set(await self._inbox.waiting())
+        if self.legacy and len(empty) == len(self.legacy):
+            self.legacy = []  # every old partition answered with nothing new
+            await self._legacy_done()
         return total
 
-    async def _due(self, full: bool, with_config: bool) -> list[_Partition]:
-        """The partitions to poll this round: on a full round all, otherwise
-        those of the commands topic (and the config topic when `with_config`)
-        whose newest offset is past the last one read.  A topic the server
-        does not show is polled as before, so polling reports what is wrong."""
-        if full:
-            return self.partitions
-        due: list[_Partition] = []
-        topics: dict[str, list[_Partition]] = {}
-        for part in self.partitions:
-            if with_config or not part.is_config:
-                topics.setdefault(part.topic, []).append(part)
-        for topic, parts in topics.items():
-            try:
-                newest = await self._source.last_offsets(self._dl.stream, topic)
-            except UplinkRejected as e:
-                log.warning(
-                    "return poll: the server refuses a look at %s/%s (%s): polling every partition"
-                    " every poll_interval_s instead",
-                    self._dl.stream,
-                    topic,
-                    e,
-                )
-                self._looks = False
-                return self.partitions
-            if newest is None:
-                due.extend(parts)
-                continue
-            due.extend(p for p in parts if newest.get(p.partition_id, -1) > self._last[p])
-        return due
+    def _abandon_legacy(self) -> None:
+        log.error(
+            "return poll: the server refuses a poll of the two-topic scheme's topics (above): what is"
+            " pending there is NOT delivered; polling the return-path topic now, the old topics again at"
+            " the next start"
+        )
+        self.legacy = []
 
-    async def _poll_or_skip(self, part: _Partition, count: int) -> int:
+    def _inbox_full(self) -> None:
+        self._metrics.downlink_inbox_full.inc()
+        self._limited.warning(
+            "inbox-full",
+            "return poll: inbox full (%d commands wait for delivery): paused, commands stay in Iggy",
+            self._dl.max_inbox,
+        )
+
+    async def _poll_or_skip(self, part: Partition, room: int) -> tuple[int, int] | None:
         """A partition the server refuses (missing, no permission) is logged
-        and skipped so the others are still read; Iggy being unreachable
-        raises and the round is retried with backoff."""
+        and skipped (None); Iggy being unreachable raises and the round is
+        retried with backoff."""
         try:
-            return await self._poll(part, count)
+            return await self._poll(part, room)
         except UplinkRejected as e:
             self._metrics.downlink_errors.labels("poll").inc()
             self._limited.error(f"rejected:{part.topic}/{part.partition_id}", "return poll: %s", e)
-            return 0
+            return None
 
-    async def _poll(self, part: _Partition, count: int) -> int:
+    async def _poll(self, part: Partition, room: int) -> tuple[int, int]:
+        """(messages consumed, commands among them).  With no `room` left, it
+        stops before the first command (which stays in Iggy)."""
         start = self._last[part] + 1
+        count = self._dl.poll_batch if part.kind is None else min(self._dl.poll_batch, max(room, 1))
         messages = await self._source.poll(part.stream, part.topic, part.partition_id, start, count)
         if not messages:
-            return 0
+            return 0, 0
         if messages[0].offset > start:
             log.warning(
                 "return poll: %s: offsets %d..%d are gone from Iggy (retention?); resuming at %d",
@@ -293,13 +304,21 @@ class ReturnPoll:
         commands: list[tuple[Command, str]] = []
         configs: list[tuple[DesiredConfig, str]] = []
         origin: dict[str, PolledMessage] = {}  # source -> message, for a dead letter later
+        last, consumed = start - 1, 0
         for m in messages:
+            kind = part.kind or message_kind(m.headers)
+            if kind == KIND_COMMAND and len(commands) >= room:
+                self._inbox_full()
+                break
+            last, consumed = m.offset, consumed + 1
             source = part.source(m.offset)
             got: Command | DesiredConfig | Refused
-            if part.is_config:
-                got = read_config(m.payload, now=now, fallback_id=f"offset-{m.offset}")
-            else:
+            if isinstance(kind, Refused):
+                got = kind
+            elif kind == KIND_COMMAND:
                 got = read_command(m.payload, now=now, default_ttl_s=self._dl.default_ttl_s)
+            else:
+                got = read_config(m.payload, now=now, fallback_id=f"offset-{m.offset}")
             if isinstance(got, Refused):
                 await self._dead_letter(part, m, got.reason, got.detail)
             elif isinstance(got, Command):
@@ -308,9 +327,10 @@ class ReturnPoll:
             else:
                 configs.append((got, source))
                 origin[source] = m
+        if not consumed:
+            return 0, 0
         if configs:
             configs = await self._bound_configs(part, configs, origin)
-        last = messages[-1].offset
         result = await self._store(part, last, commands, configs, origin, now)
         self._last[part] = last
         self._metrics.commands.labels(CommandState.RECEIVED.value).inc(result.new)
@@ -323,11 +343,11 @@ class ReturnPoll:
             )
         if result.new or result.configs:
             self._on_stored()
-        return len(messages)
+        return consumed, len(commands)
 
     async def _store(
         self,
-        part: _Partition,
+        part: Partition,
         last: int,
         commands: list[tuple[Command, str]],
         configs: list[tuple[DesiredConfig, str]],
@@ -353,7 +373,7 @@ class ReturnPoll:
 
     async def _bound_configs(
         self,
-        part: _Partition,
+        part: Partition,
         configs: list[tuple[DesiredConfig, str]],
         origin: dict[str, PolledMessage],
     ) -> list[tuple[DesiredConfig, str]]:
@@ -387,7 +407,7 @@ class ReturnPoll:
             kept.append((cfg, source))
         return kept
 
-    async def _dead_letter(self, part: _Partition, m: PolledMessage, reason: str, detail: str) -> None:
+    async def _dead_letter(self, part: Partition, m: PolledMessage, reason: str, detail: str) -> None:
         # A StoreError here propagates: the offset is not advanced and the
         # supervisor restarts the return path.
         await self._dead_letters.dead_letter(

@@ -59,7 +59,10 @@ def make_command_source(settings: Settings) -> CommandSource | None:
 
         return IggyCommandSource(iggy, settings.gateway_id, consumer_name(settings))
     if iggy.kind == "memory":
+        from ..downlink.commands import return_topic  # noqa: PLC0415 - as the kind's module
         from .memory import shared_memory_iggy  # noqa: PLC0415 - only the chosen kind (docstring)
 
-        return shared_memory_iggy().command_source(consumer_name(settings))
+        memory, rt = shared_memory_iggy(), return_topic(settings)
+        memory.create_topic(rt.stream, rt.topic, 1)  # in-process, it is its own cloud side: provisioned
+        return memory.command_source(consumer_name(settings))
     return None

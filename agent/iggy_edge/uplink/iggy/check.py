@@ -14,9 +14,9 @@ from typing import Any
 
 from ...checks import DEFAULT_ENV_FILE, LOCAL_HOSTS, TIMEOUT_S, Check, Status, tcp_problem
 from ...config import IggySettings, Settings
-from ...downlink.commands import commands_topic, config_topic
-from ..protocol import UplinkError
-from .errors import IGGY_SDK_VERSION, IncompatibleServer
+from ...downlink.commands import return_topic
+from ..protocol import UplinkError, UplinkRejected
+from .errors import IGGY_SDK_VERSION, IncompatibleServer, is_unauthorized
 from .probe import IggyProbe
 
 
@@ -135,14 +135,23 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
     poll_from: list[tuple[str, str]] = []
     if settings.downlink.enabled:
         # the agent's own names for them, so doctor cannot drift from it
-        d = settings.downlink
-        poll_from = [(d.stream, commands_topic(settings)), (d.stream, config_topic(settings))]
+        rt = return_topic(settings)
+        poll_from = [(rt.stream, rt.topic)]
     missing: list[str] = []
     try:
         for stream, topic in send_to + poll_from:
-            if await probe.topic(stream, topic) is None:
-                missing.append(f"{stream}/{topic}")
-        user = await probe.user(s.username)
+            try:
+                if await probe.topic(stream, topic) is None:
+                    missing.append(f"{stream}/{topic}")
+            except UplinkRejected as e:
+                if not is_unauthorized(e):
+                    raise  # a send-only topic (provision-gateway's user) is there but not readable
+        try:
+            user = await probe.user(s.username)
+        except UplinkRejected as e:
+            if not is_unauthorized(e):
+                raise
+            return _least_privileged(s.username, missing)
     except UplinkError as e:
         return Check(
             "iggy permissions",
@@ -173,23 +182,35 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
     needs: list[str] = []
 
     async def stream_perm(stream: str) -> Any:
-        details = await probe.stream(stream)
+        try:
+            details = await probe.stream(stream)
+        except UplinkRejected as e:
+            if not is_unauthorized(e):
+                raise
+            raise _NotReadable from e
         return None if details is None else streams.get(details.id)
 
-    for stream, _topic in send_to:
-        sp = await stream_perm(stream)
-        if not (
-            g.send_messages or g.manage_streams or (sp is not None and (sp.send_messages or sp.manage_stream))
-        ):
-            needs.append(f"send_messages on stream {stream}")
-    if missing and not (g.manage_streams or g.manage_topics):
-        needs.append(f"manage_topics (or manage_streams) to create {', '.join(missing)}")
-    for stream, _topic in poll_from:
-        sp = await stream_perm(stream)
-        if not (
-            g.poll_messages or g.manage_streams or (sp is not None and (sp.poll_messages or sp.manage_stream))
-        ):
-            needs.append(f"poll_messages on stream {stream} (commands/config)")
+    try:
+        for stream, _topic in send_to:
+            sp = await stream_perm(stream)
+            if not (
+                g.send_messages
+                or g.manage_streams
+                or (sp is not None and (sp.send_messages or sp.manage_stream))
+            ):
+                needs.append(f"send_messages on stream {stream}")
+        if missing and not (g.manage_streams or g.manage_topics):
+            needs.append(f"manage_topics (or manage_streams) to create {', '.join(missing)}")
+        for stream, _topic in poll_from:
+            sp = await stream_perm(stream)
+            if not (
+                g.poll_messages
+                or g.manage_streams
+                or (sp is not None and (sp.poll_messages or sp.manage_stream))
+            ):
+                needs.append(f"poll_messages on stream {stream} (commands/config)")
+    except _NotReadable:
+        return _least_privileged(s.username, missing)
     if needs:
         return Check(
             "iggy permissions",
@@ -199,6 +220,29 @@ async def _iggy_permissions(settings: Settings, probe: IggyProbe) -> Check:
         )
     extra = f"; will create {', '.join(missing)}" if missing else ""
     return Check("iggy permissions", "ok", "may send to the route topics and poll commands" + extra)
+
+
+class _NotReadable(Exception):
+    """The user may not read a stream's details: its grants cannot be matched to names."""
+
+
+def _least_privileged(username: str, missing: list[str]) -> Check:
+    """A user that may not read streams (what `iggy-edge cloud provision-gateway`
+    makes): its grants, per stream and topic id, cannot be matched to names,
+    so only the topics' presence is checked."""
+    if missing:
+        return Check(
+            "iggy permissions",
+            "fail",
+            f"missing topics: {', '.join(missing)}; {username!r} may not create them",
+            "provision the gateway from the cloud side: iggy-edge cloud provision-gateway --gateway <id>",
+        )
+    return Check(
+        "iggy permissions",
+        "ok",
+        f"{username!r} is a least-privileged user (it may not read streams, so its grants per topic"
+        " cannot be matched here): its topics are there",
+    )
 
 
 def check_iggy_transport(settings: Settings) -> Check | None:

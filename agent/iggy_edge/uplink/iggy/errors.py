@@ -70,6 +70,11 @@ def is_not_found(error: BaseException) -> bool:
     return "not found" in str(error).lower()
 
 
+def is_unauthorized(error: BaseException) -> bool:
+    """The server's "Unauthorized": the user lacks the permission (not the login)."""
+    return "unauthorized" in str(error).lower()
+
+
 def is_unsupported_option(error: BaseException) -> bool:
     return "unsupported option key" in str(error).lower()
 

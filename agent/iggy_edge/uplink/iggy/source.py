@@ -2,6 +2,11 @@
 
 On poll, a message's ``timestamp()`` is the server's append time (what
 `PolledMessage` carries).  Offsets are mirrored by offsets.py.
+
+The source never creates a topic: the gateway's return-path topic is the
+cloud side's to provision (cloud/provision.py), and the gateway's Iggy user
+may not create one.  A poll of a missing topic is refused by the server
+(`UplinkRejected`) and `last_offsets` says None.
 """
 
 from __future__ import annotations
@@ -9,11 +14,10 @@ from __future__ import annotations
 from apache_iggy import Consumer, PollingStrategy, ReceiveMessage
 
 from ...config import IggySettings
-from ..protocol import PolledMessage, UplinkRejected
+from ..protocol import PolledMessage
 from .connection import ClientFactory, Connection
-from .errors import is_not_found
 from .offsets import get_consumer_offset, store_consumer_offset
-from .topics import Topics, get_topic
+from .topics import get_topic
 
 
 def _headers_of(message: ReceiveMessage) -> dict[str, str]:
@@ -51,7 +55,6 @@ class IggyCommandSource:
         self.gateway_id = gateway_id
         self.consumer_name = consumer_name
         self._conn = Connection(settings, "command source", client_factory)
-        self._topics = Topics(self._conn)
         self.polls = 0  # requests, for the return path's load (bench/command_latency_bench.py)
         self.probes = 0
 
@@ -62,25 +65,19 @@ class IggyCommandSource:
         self, stream: str, topic: str, partition_id: int, offset: int, count: int
     ) -> list[PolledMessage]:
         client = await self._conn.client()
-        await self._topics.partitions(stream, topic)
         self.polls += 1
-        try:
-            messages = await self._conn.call(
-                f"poll {stream}/{topic}/{partition_id} at {offset}",
-                client.poll_messages(
-                    stream,
-                    topic,
-                    consumer=Consumer.Single(self.consumer_name),
-                    polling_strategy=PollingStrategy.Offset(offset),
-                    count=count,
-                    auto_commit=False,
-                    partition_id=partition_id,
-                ),
-            )
-        except UplinkRejected as e:
-            if is_not_found(e):
-                self._topics.forget(stream, topic)
-            raise
+        messages = await self._conn.call(
+            f"poll {stream}/{topic}/{partition_id} at {offset}",
+            client.poll_messages(
+                stream,
+                topic,
+                consumer=Consumer.Single(self.consumer_name),
+                polling_strategy=PollingStrategy.Offset(offset),
+                count=count,
+                auto_commit=False,
+                partition_id=partition_id,
+            ),
+        )
         return [
             PolledMessage(
                 offset=m.offset(),

@@ -24,7 +24,7 @@ from apache_iggy import Durability, IggyClient, TopicDetails
 
 from ..protocol import UplinkRejected
 from .connection import Connection
-from .errors import is_already_exists, is_not_found, is_unsupported_option
+from .errors import is_already_exists, is_not_found, is_unauthorized, is_unsupported_option
 from .wire import encode_identifier, encode_string_entry
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,14 @@ async def get_topic(
 
 
 class Topics:
-    """Partition counts of known topics; creates missing ones when allowed."""
+    """Partition counts of known topics; creates missing ones when allowed.
+
+    A user allowed to send to a topic but not to read its details (what
+    `iggy-edge cloud provision-gateway` gives a gateway for the shared
+    telemetry topics, so a leaked gateway credential cannot read the fleet's
+    telemetry) gets "Unauthorized" for the look: the count is then
+    ``iggy.partitions``, the contract `partition_for` already relies on, and a
+    send to a partition the topic lacks is refused by the server."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -88,14 +95,29 @@ class Topics:
             return count
         conn = self._conn
         client = await conn.client()
-        details = await get_topic(conn, client, stream, topic, confirmed)
+        try:
+            details = await get_topic(conn, client, stream, topic, confirmed)
+        except UplinkRejected as e:
+            if not is_unauthorized(e):
+                raise
+            count = conn.settings.partitions
+            log.info(
+                "iggy: %s may send to %s/%s but not read its details (%s): taking iggy.partitions = %d",
+                conn.settings.username,
+                stream,
+                topic,
+                e,
+                count,
+            )
+            self._counts[(stream, topic)] = count
+            return count
         if details is None:
             if not conn.settings.create_missing:
                 raise UplinkRejected(
                     f"iggy: topic {stream}/{topic} does not exist and create_missing is off",
                     confirmed=confirmed,
                 )
-            await self._create(client, stream, topic, confirmed)
+            await create_topic(conn, client, stream, topic, conn.settings.partitions, confirmed)
             details = await get_topic(conn, client, stream, topic, confirmed)
             if details is None:
                 raise UplinkRejected(
@@ -113,52 +135,68 @@ class Topics:
             )
         return details.partitions_count
 
-    async def _create(self, client: IggyClient, stream: str, topic: str, confirmed: frozenset[int]) -> None:
-        """Create the stream (if needed) and the topic.
 
-        Topics get ``settings.partitions`` partitions and
-        ``Durability.PERSISTED``: the forwarder deletes a record from the
-        outbox as soon as Iggy confirms it, so a confirmation must mean the
-        message is on stable storage, not only in the server's memory (the
-        0.9 default, REPLICATED, confirms after an in-memory quorum commit and
-        a server crash can lose it).  The cost is an fsync per request, which
-        batching amortises.  Message expiry, maximum size and compression are
-        left to the server defaults -- retention is the cloud side's decision.
-        Consumer offsets keep the default durability: our offsets live in
-        SQLite, the server copy is a best-effort mirror.
-        """
-        conn = self._conn
+async def create_stream(conn: Connection, client: IggyClient, stream: str, confirmed: frozenset[int]) -> bool:
+    """Create `stream` unless it exists; whether it was created."""
+    try:
+        await conn.call(f"create stream {stream}", client.create_stream(stream), confirmed=confirmed)
+    except UplinkRejected as e:
+        if not is_already_exists(e):
+            raise
+        return False
+    log.info("iggy: created stream %s", stream)
+    return True
+
+
+async def create_topic(
+    conn: Connection,
+    client: IggyClient,
+    stream: str,
+    topic: str,
+    partitions: int,
+    confirmed: frozenset[int] = frozenset(),
+) -> bool:
+    """Create the stream (if needed) and the topic; whether the topic was created.
+
+    Topics get `partitions` partitions and ``Durability.PERSISTED``: the
+    forwarder deletes a record from the outbox as soon as Iggy confirms it,
+    so a confirmation must mean the message is on stable storage, not only in
+    the server's memory (the 0.9 default, REPLICATED, confirms after an
+    in-memory quorum commit and a server crash can lose it); the return path
+    consumes a command's offset once it is in SQLite, so the same holds for
+    it.  The cost is an fsync per request, which batching amortises.  Message
+    expiry, maximum size and compression are left to the server defaults --
+    retention is the cloud side's decision.  Consumer offsets keep the
+    default durability: our offsets live in SQLite, the server copy is a
+    best-effort mirror.
+    """
+    await create_stream(conn, client, stream, confirmed)
+    what = f"create topic {stream}/{topic}"
+    try:
         try:
-            await conn.call(f"create stream {stream}", client.create_stream(stream), confirmed=confirmed)
-            log.info("iggy: created stream %s", stream)
+            await conn.call(
+                what,
+                client.create_topic(stream, topic, partitions, durability=Durability.PERSISTED),
+                confirmed=confirmed,
+            )
+            how = "durability persisted"
         except UplinkRejected as e:
-            if not is_already_exists(e):
+            if not is_unsupported_option(e):
                 raise
-        what = f"create topic {stream}/{topic}"
-        partitions = conn.settings.partitions
-        try:
-            try:
-                await conn.call(
-                    what,
-                    client.create_topic(stream, topic, partitions, durability=Durability.PERSISTED),
-                    confirmed=confirmed,
-                )
-                how = "durability persisted"
-            except UplinkRejected as e:
-                if not is_unsupported_option(e):
-                    raise
-                # Server 0.9.0-edge.5 predates the durability keys SDK 0.9.0
-                # always sends (it answers "Unsupported option key").  Ask it
-                # for the same guarantee in its own terms, by a raw request.
-                await conn.call(
-                    what,
-                    client.send_binary_request(
-                        CREATE_TOPIC_CODE, encode_create_topic(stream, topic, partitions, PERSIST_OPTIONS)
-                    ),
-                    confirmed=confirmed,
-                )
-                how = "enforce_fsync, messages_required_to_save=1"
-            log.info("iggy: created topic %s/%s with %d partitions (%s)", stream, topic, partitions, how)
-        except UplinkRejected as e:
-            if not is_already_exists(e):
-                raise
+            # Server 0.9.0-edge.5 predates the durability keys SDK 0.9.0
+            # always sends (it answers "Unsupported option key").  Ask it
+            # for the same guarantee in its own terms, by a raw request.
+            await conn.call(
+                what,
+                client.send_binary_request(
+                    CREATE_TOPIC_CODE, encode_create_topic(stream, topic, partitions, PERSIST_OPTIONS)
+                ),
+                confirmed=confirmed,
+            )
+            how = "enforce_fsync, messages_required_to_save=1"
+    except UplinkRejected as e:
+        if not is_already_exists(e):
+            raise
+        return False
+    log.info("iggy: created topic %s/%s with %d partitions (%s)", stream, topic, partitions, how)
+    return True

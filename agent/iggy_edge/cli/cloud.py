@@ -1,0 +1,112 @@
+"""`iggy-edge cloud provision-gateway`: the cloud side's one-time set-up of a
+gateway on the Iggy server (cloud/provision.py does the work)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..cloud.provision import Provisioned, provision_gateway
+from ..device_ids import gateway_id_problem
+from ..uplink.protocol import UplinkError
+from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
+
+app = typer.Typer(
+    help="The cloud side's Iggy set-up for gateways (run with admin Iggy credentials).",
+    no_args_is_help=True,
+)
+
+
+def _write_credentials(path: Path, provisioned: Provisioned) -> None:
+    """Write the ``[iggy]`` table to `path` (mode 0600), keeping an ``[mqtt]``
+    table the file already has."""
+    keep = ""
+    if path.exists():
+        try:
+            old = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise fail(f"{path}: cannot read it to keep its [mqtt] table: {e}") from None
+        mqtt = old.get("mqtt")
+        if isinstance(mqtt, dict):
+            keep = "[mqtt]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items()) + "\n"
+    text = keep + provisioned.credentials_toml()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    path.chmod(0o600)
+
+
+@app.command("provision-gateway")
+def provision(
+    gateway: Annotated[str, typer.Option("--gateway", "-g", help="The gateway's id (its gateway_id).")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Write the gateway's credentials file here (mode 0600; an \\[mqtt] table in it is kept). "
+            "Without it the password is printed.",
+            dir_okay=False,
+        ),
+    ] = None,
+    username: Annotated[
+        str | None, typer.Option("--username", help="Iggy user name (default gw-<gateway>).")
+    ] = None,
+    rotate: Annotated[
+        bool, typer.Option("--rotate", help="Give an existing user a new password (its sessions end).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as one JSON object.")] = False,
+    config: ConfigOption = DEFAULT_CONFIG,
+) -> None:
+    """Create GATEWAY's return-path topic and a least-privileged Iggy user for it.
+
+    Run it with ADMIN Iggy credentials (\\[iggy] username, IGGY_PASSWORD): it
+    creates the shared route topics if missing, the gateway's return-path
+    topic (stream edge-rp-<n>, topic return.<gateway>, one partition) and an
+    Iggy user allowed only to read that topic (and store its offset) and to
+    send to the route topics, plus to read the gateway's topics of the old
+    two-topic scheme when they exist. The gateway then runs with that user
+    and needs no right to create anything. Naming comes from the config's
+    \\[downlink] section: use the fleet's values. Running it again only sets
+    the permissions again; --rotate issues a new password.
+
+    Example: IGGY_USERNAME=admin IGGY_PASSWORD=... iggy-edge cloud
+    provision-gateway -c cloud.toml -g gw-17 -o gw-17-credentials.toml
+    """
+    settings = load_or_exit(config)
+    problem = gateway_id_problem(gateway)
+    if problem is not None:
+        raise fail(f"--gateway: {problem}", 2)
+    if settings.iggy.kind != "iggy":
+        raise fail(f'iggy kind is "{settings.iggy.kind}": provisioning needs a real Iggy server', 2)
+    try:
+        done = asyncio.run(provision_gateway(settings, gateway, username=username, rotate=rotate))
+    except UplinkError as e:
+        raise fail(f"not provisioned: {e}") from None
+    if out is not None and done.password is not None:
+        _write_credentials(out, done)
+    if as_json:
+        shown = done.summary()
+        if out is None and done.password is not None:
+            shown["password"] = done.password
+        shown["credentials_file"] = None if out is None or done.password is None else str(out)
+        typer.echo(json.dumps(shown))
+        return
+    what = "created" if done.created_topic else "exists"
+    typer.echo(f"return-path topic {done.return_stream}/{done.return_topic} ({what}, one partition)")
+    typer.echo(f"user {done.username}: may poll that topic and send to {', '.join(done.send_topics)}")
+    if done.legacy_topics:
+        typer.echo(f"  and read out the old topics {', '.join(done.legacy_topics)} (migration)")
+    if done.password is None:
+        typer.echo("the user existed: password unchanged (--rotate for a new one)")
+    elif out is not None:
+        typer.echo(f"credentials written to {out}: set credentials_file in the gateway's config")
+    else:
+        typer.echo("gateway credentials file ([iggy] table; keep it secret):")
+        typer.echo(done.credentials_toml(), nl=False)

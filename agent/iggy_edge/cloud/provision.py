@@ -1,0 +1,207 @@
+"""Provisioning a gateway from the cloud side, with admin Iggy credentials.
+
+`provision_gateway` makes everything one gateway needs on the Iggy server,
+so the gateway itself needs no right to create anything:
+
+* the shared topics the gateway's routes send to (``edge/telemetry``,
+  ``acks``, ``events`` by default), created as the agent would create them
+  (``iggy.partitions`` partitions, persisted) when missing;
+* its return-path topic (downlink/commands.py, "Addressing"): stream
+  ``edge-rp-<n>``, topic ``return.<gateway>``, ONE partition, persisted;
+* an Iggy user for the gateway with exactly these permissions, nothing
+  global:
+
+  =====================================  ====================================
+  its return-path topic                  ``read_topic`` (the look at start,
+                                         GET_TOPIC) and ``poll_messages``
+                                         (polls, storing its consumer offset)
+  each shared route topic                ``send_messages`` only: a gateway
+                                         cannot read the fleet's telemetry
+                                         (the uplink then takes the partition
+                                         count from ``iggy.partitions``,
+                                         uplink/iggy/topics.py)
+  the two-topic scheme's topics of the   ``read_topic`` and ``poll_messages``,
+  gateway, when they exist               so the upgraded agent can read out
+                                         what is pending there (migration)
+  =====================================  ====================================
+
+  Iggy grants per stream and topic *id*, so another gateway's topic, created
+  later, is not covered.  The user is made with a new random password; for
+  a user that exists already the permissions are set again (the server
+  replaces them whole) and the password is kept, unless `rotate` asks for a
+  new one (the user is deleted and made again: its sessions end).
+
+Idempotent: running it again for the same gateway changes nothing but the
+permissions it sets anyway.  It never deletes a topic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Final
+
+from apache_iggy import IggyClient, Permissions, StreamPermissions, TopicPermissions
+
+from ..config import Settings
+from ..downlink.commands import legacy_topics, return_topic_of
+from ..uplink.iggy.connection import Connection
+from ..uplink.iggy.errors import is_already_exists, is_not_found
+from ..uplink.iggy.topics import create_topic, get_topic
+from ..uplink.protocol import UplinkRejected
+
+log = logging.getLogger(__name__)
+
+MAX_USERNAME: Final = 50  # iggy-server's limit (3..50 bytes)
+USER_PREFIX: Final = "gw-"
+PASSWORD_BYTES: Final = 24  # 32 URL-safe characters; the server takes 3..100
+
+
+def gateway_username(gateway_id: str) -> str:
+    """The gateway's Iggy user name: ``gw-<gateway id>``; an id too long for
+    the server's 50 bytes is cut and ends in 8 hex digits of its hash."""
+    name = USER_PREFIX + gateway_id
+    if len(name) <= MAX_USERNAME:
+        return name
+    digest = hashlib.blake2b(gateway_id.encode(), digest_size=4).hexdigest()
+    return name[: MAX_USERNAME - 9] + "-" + digest
+
+
+@dataclass(frozen=True, slots=True)
+class Provisioned:
+    """What `provision_gateway` did, and the gateway's credential."""
+
+    gateway_id: str
+    username: str
+    password: str | None  # None: the user existed and keeps its password
+    return_stream: str
+    return_topic: str
+    created_topic: bool
+    created_user: bool
+    send_topics: list[str] = field(default_factory=list)
+    legacy_topics: list[str] = field(default_factory=list)
+
+    def credentials_toml(self) -> str:
+        """The ``[iggy]`` table of the gateway's credentials file
+        (``credentials_file``, docs/config.md); needs the password."""
+        if self.password is None:
+            raise ValueError("no password to write: the user existed (use rotate for a new one)")
+        # A JSON string is a TOML basic string (ASCII only: ensure_ascii).
+        return f"[iggy]\nusername = {json.dumps(self.username)}\npassword = {json.dumps(self.password)}\n"
+
+    def summary(self) -> dict[str, object]:
+        """Everything but the password."""
+        return {
+            "gateway": self.gateway_id,
+            "username": self.username,
+            "return_stream": self.return_stream,
+            "return_topic": self.return_topic,
+            "created_topic": self.created_topic,
+            "created_user": self.created_user,
+            "new_password": self.password is not None,
+            "send_topics": self.send_topics,
+            "legacy_topics": self.legacy_topics,
+        }
+
+
+class _Grants:
+    """Per-topic permissions being collected, by stream and topic id."""
+
+    def __init__(self) -> None:
+        self._topics: dict[int, dict[int, TopicPermissions]] = {}
+
+    def add(self, stream_id: int, topic_id: int, **flags: bool) -> None:
+        self._topics.setdefault(stream_id, {})[topic_id] = TopicPermissions(**flags)
+
+    def permissions(self) -> Permissions:
+        return Permissions(streams={s: StreamPermissions(topics=t) for s, t in self._topics.items()})
+
+
+async def _ids(conn: Connection, client: IggyClient, stream: str, topic: str) -> tuple[int, int] | None:
+    details = await get_topic(conn, client, stream, topic)
+    if details is None:
+        return None
+    got = await conn.call(f"get stream {stream}", client.get_stream(stream))
+    if got is None:
+        return None
+    return got.id, details.id
+
+
+async def _user(
+    conn: Connection, client: IggyClient, username: str, permissions: Permissions, rotate: bool
+) -> tuple[str | None, bool]:
+    """(new password or None, whether the user was created)."""
+    existing = None
+    try:
+        existing = await conn.call(f"get user {username}", client.get_user(username))
+    except UplinkRejected as e:
+        if not is_not_found(e):
+            raise
+    if existing is not None and not rotate:
+        await conn.call(f"set permissions of {username}", client.update_permissions(username, permissions))
+        return None, False
+    if existing is not None:
+        await conn.call(f"delete user {username}", client.delete_user(username))
+    password = secrets.token_urlsafe(PASSWORD_BYTES)
+    try:
+        await conn.call(
+            f"create user {username}", client.create_user(username, password, permissions=permissions)
+        )
+    except UplinkRejected as e:
+        if is_already_exists(e):  # made by someone else meanwhile
+            raise UplinkRejected(f"iggy: user {username} appeared meanwhile; run again") from e
+        raise
+    return password, existing is None
+
+
+async def provision_gateway(
+    settings: Settings, gateway_id: str, *, username: str | None = None, rotate: bool = False
+) -> Provisioned:
+    """Provision `gateway_id` on the server `settings.iggy` names, logged in
+    with its (admin) credentials; `settings` also gives the naming
+    (``[downlink]``), the shared route topics and ``iggy.partitions``."""
+    conn = Connection(settings.iggy, "provisioning")
+    try:
+        client = await conn.client()
+        grants = _Grants()
+        sends: list[str] = []
+        for stream, topic in sorted({(r.stream, r.topic) for r in settings.routes}):
+            await create_topic(conn, client, stream, topic, settings.iggy.partitions)
+            ids = await _ids(conn, client, stream, topic)
+            if ids is None:
+                raise UplinkRejected(f"iggy: {stream}/{topic} is missing right after creating it")
+            grants.add(*ids, send_messages=True)
+            sends.append(f"{stream}/{topic}")
+        rt = return_topic_of(gateway_id, settings.downlink)
+        created = await create_topic(conn, client, rt.stream, rt.topic, 1)
+        ids = await _ids(conn, client, rt.stream, rt.topic)
+        if ids is None:
+            raise UplinkRejected(f"iggy: {rt.stream}/{rt.topic} is missing right after creating it")
+        grants.add(*ids, read_topic=True, poll_messages=True)
+        legacy: list[str] = []
+        for topic in legacy_topics(gateway_id, settings.downlink):
+            ids = await _ids(conn, client, settings.downlink.stream, topic)
+            if ids is not None:
+                grants.add(*ids, read_topic=True, poll_messages=True)
+                legacy.append(f"{settings.downlink.stream}/{topic}")
+        name = username or gateway_username(gateway_id)
+        password, made = await _user(conn, client, name, grants.permissions(), rotate)
+        log.info("provisioned gateway %s: user %s, %s/%s", gateway_id, name, rt.stream, rt.topic)
+        return Provisioned(gateway_id, name, password, rt.stream, rt.topic, created, made, sends, legacy)
+    finally:
+        await conn.close()
+
+
+async def create_return_topic(settings: Settings, gateway_id: str | None = None) -> bool:
+    """Only the return-path topic of `gateway_id` (default: the settings'
+    own), with `settings.iggy`'s login; whether it was created.  For a
+    server that is its own cloud side (the demo's private one, benches)."""
+    rt = return_topic_of(gateway_id or settings.gateway_id, settings.downlink)
+    conn = Connection(settings.iggy, "provisioning")
+    try:
+        return await create_topic(conn, await conn.client(), rt.stream, rt.topic, 1)
+    finally:
+        await conn.close()
