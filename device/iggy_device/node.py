@@ -536,20 +536,27 @@ class Device:
         # runs inside umqtt's read loop: queue only, never publish here.
         # umqtt acknowledges the message when this returns, so what does not
         # fit is refused (no ack) and comes again after a reconnect.
+        cut = wire.cut  # only the head of a message the heap could not hold twice
+        wire.cut = False
         n = len(msg)
         if self._inbox and self._inbox_bytes + n > self.cfg.inbox_bytes:
             self.stats["inbox_full"] += 1
             raise InboxFull("inbox full")
-        self._inbox.append((topic, msg))
+        self._inbox.append((topic, msg, cut))
         self._inbox_bytes += n
 
     def _handle_inbox(self):
         self._refill = False
         while self._inbox:
-            topic, msg = self._inbox.pop(0)
+            topic, msg, cut = self._inbox.pop(0)
             self._inbox_bytes -= len(msg)
             try:
-                if topic == self._b_cmd:
+                if cut:
+                    self.stats["bad_messages"] += 1
+                    self.log("out of memory for a message on", topic, "- refused")
+                    if topic == self._b_cmd:
+                        self._refuse(msg)  # acknowledged to the broker: answer it by id
+                elif topic == self._b_cmd:
                     self._inbound().command(msg)
                 elif topic == self._b_config:
                     self._inbound().config(msg)

@@ -31,6 +31,7 @@ _EAGAIN = (errno.EAGAIN, errno.ETIMEDOUT)  # what a timed-out read reports
 timeout_ms = 10000
 max_payload = 4096
 refused = 0  # inbound messages over max_payload, thrown away
+cut = False  # the message umqtt was just handed is only a head: see Wire._cut
 feed = None
 log = None
 _addr = None
@@ -40,6 +41,7 @@ _addr = None
 # one at every reconnect was an allocation a fragmented heap could fail.
 buf = None
 _SIZE = 384
+_HEAD = 96  # bytes of a cut message kept: a command's id is in them
 
 
 def socket(*args):
@@ -72,6 +74,9 @@ class Wire:
         self._cur = -1  # timeout currently set on the raw socket (ms)
         self._left = 0  # body bytes of the current inbound packet umqtt has not read
         self._pb = b""  # header bytes read ahead, handed to umqtt next
+        self._dup = False  # the current packet is a redelivered PUBLISH
+        self._head = None  # what a read that ran out of memory had read
+        self._short = 0  # and how many bytes it left unread
         self.frames = 0  # inbound packets: liveness
         self._deadline = time.ticks_add(time.ticks_ms(), self._t)  # a step's end
 
@@ -129,7 +134,13 @@ class Wire:
         self._pb = self._pb[len(out) :]
         k = n - len(out)
         if k > 0:
-            body = self._recv(k)
+            try:
+                body = self._recv(k)
+            except MemoryError:
+                if not self._dup or k != self._left:
+                    self._head = None
+                    raise  # the connection drops: the broker sends it again (DUP)
+                body = self._cut()
             self._left = self._left - k if self._left > k else 0
             out = out + body if out else body
         return out
@@ -164,42 +175,70 @@ class Wire:
             self._raw.settimeout(ms / 1000 if ms else 0)
             self._cur = ms
 
+    def _cut(self):
+        """A redelivered PUBLISH (DUP) whose payload the heap cannot hold,
+        a second time: its first ``_HEAD`` bytes (a command's id is in
+        them) go to umqtt in its place and the rest is read through the
+        scratch buffer and forgotten; umqtt acknowledges it, and the
+        device refuses it by id (``cut``) instead of taking it again and
+        again at every connect (a heap that stays fragmented never gets
+        the block, and the connection would never come up)."""
+        global cut
+        head = self._head
+        self._head = None
+        n = self._short
+        if not head:
+            head = self._recv(_HEAD if n > _HEAD else n)
+            n -= len(head)
+        elif len(head) > _HEAD:
+            head = head[:_HEAD]
+        self._recv(n, True)
+        cut = True
+        return head
+
     def _recv(self, n, drop=False):
         """Exactly ``n`` bytes, blocking until the step's deadline.  With
         ``drop`` they go through the scratch buffer and are forgotten; then
         progress re-arms the deadline and feeds the watchdog (a large
-        message on a slow link is not a hung one)."""
+        message on a slow link is not a hung one).  A MemoryError leaves
+        what was read in ``_head`` and the count still unread in ``_short``
+        (for ``_cut``)."""
         out = b""
         mv = memoryview(self._buf)
-        while n > 0:
-            rem = time.ticks_diff(self._deadline, time.ticks_ms())
-            if rem <= 0:
-                raise OSError(errno.ETIMEDOUT)
-            # what is left of the step, rounded up to a quarter of it: a read
-            # ends at most timeout_ms / 4 late, and settimeout (a system call)
-            # runs at most four times per step instead of at every read
-            q = (self._t >> 2) or 1
-            rem = (rem + q - 1) // q * q
-            self._tmo(rem if rem < self._t else self._t)
-            try:
-                if drop:
-                    got = self._s.readinto(mv[: min(n, len(mv))])
-                else:
-                    data = self._s.read(n)
-                    got = len(data) if data is not None else None
-            except OSError as e:
-                if e.args[0] not in _EAGAIN:
-                    raise
-                got = None
-            if got == 0:
-                raise OSError("mqtt: connection closed by the broker")
-            if got:
-                n -= got
-                if drop:
-                    self._deadline = time.ticks_add(time.ticks_ms(), self._t)
-                    feed()
-                else:
-                    out = out + data if out else data
+        try:
+            while n > 0:
+                rem = time.ticks_diff(self._deadline, time.ticks_ms())
+                if rem <= 0:
+                    raise OSError(errno.ETIMEDOUT)
+                # what is left of the step, rounded up to a quarter of it: a read
+                # ends at most timeout_ms / 4 late, and settimeout (a system call)
+                # runs at most four times per step instead of at every read
+                q = (self._t >> 2) or 1
+                rem = (rem + q - 1) // q * q
+                self._tmo(rem if rem < self._t else self._t)
+                try:
+                    if drop:
+                        got = self._s.readinto(mv[: min(n, len(mv))])
+                    else:
+                        data = self._s.read(n)
+                        got = len(data) if data is not None else None
+                except OSError as e:
+                    if e.args[0] not in _EAGAIN:
+                        raise
+                    got = None
+                if got == 0:
+                    raise OSError("mqtt: connection closed by the broker")
+                if got:
+                    n -= got
+                    if drop:
+                        self._deadline = time.ticks_add(time.ticks_ms(), self._t)
+                        feed()
+                    else:
+                        out = out + data if out else data
+        except MemoryError:
+            self._head = out
+            self._short = n
+            raise
         return out
 
     def _frame(self, first):
@@ -218,6 +257,7 @@ class Wire:
             if sh > 21:
                 raise OSError("mqtt: malformed packet length")
         self.frames += 1
+        self._dup = op & 0xF8 == 0x38
         if op & 0xF0 == 0x30 and size >= 2:
             tl = self._recv(2)
             topic_len = tl[0] << 8 | tl[1]
