@@ -31,7 +31,7 @@ _EAGAIN = (errno.EAGAIN, errno.ETIMEDOUT)  # what a timed-out read reports
 timeout_ms = 10000
 max_payload = 4096
 refused = 0  # inbound messages over max_payload, thrown away
-cut = False  # the message umqtt was just handed is only a head: see Wire._cut
+cut = False  # the message umqtt was just handed is only its head: see Wire._big
 feed = None
 log = None
 _addr = None
@@ -41,7 +41,7 @@ _addr = None
 # one at every reconnect was an allocation a fragmented heap could fail.
 buf = None
 _SIZE = 384
-_HEAD = 96  # bytes of a cut message kept: a command's id is in them
+_HEAD = 96  # bytes of a message cut short: a command's id is in them
 
 
 def socket(*args):
@@ -75,8 +75,6 @@ class Wire:
         self._left = 0  # body bytes of the current inbound packet umqtt has not read
         self._pb = b""  # header bytes read ahead, handed to umqtt next
         self._dup = False  # the current packet is a redelivered PUBLISH
-        self._head = None  # what a read that ran out of memory had read
-        self._short = 0  # and how many bytes it left unread
         self.frames = 0  # inbound packets: liveness
         self._deadline = time.ticks_add(time.ticks_ms(), self._t)  # a step's end
 
@@ -134,13 +132,7 @@ class Wire:
         self._pb = self._pb[len(out) :]
         k = n - len(out)
         if k > 0:
-            try:
-                body = self._recv(k)
-            except MemoryError:
-                if not self._dup or k != self._left:
-                    self._head = None
-                    raise  # the connection drops: the broker sends it again (DUP)
-                body = self._cut()
+            body = self._big(k) if k > _SIZE and k == self._left else self._recv(k)
             self._left = self._left - k if self._left > k else 0
             out = out + body if out else body
         return out
@@ -175,70 +167,72 @@ class Wire:
             self._raw.settimeout(ms / 1000 if ms else 0)
             self._cur = ms
 
-    def _cut(self):
-        """A redelivered PUBLISH (DUP) whose payload the heap cannot hold,
-        a second time: its first ``_HEAD`` bytes (a command's id is in
-        them) go to umqtt in its place and the rest is read through the
-        scratch buffer and forgotten; umqtt acknowledges it, and the
-        device refuses it by id (``cut``) instead of taking it again and
-        again at every connect (a heap that stays fragmented never gets
-        the block, and the connection would never come up)."""
+    def _big(self, n):
+        """A large PUBLISH payload (the rest of the packet), read in place
+        into one block allocated before a byte is read.  When the heap
+        cannot hold it the first time, the connection drops and the broker
+        sends it again (DUP); the second time only its first ``_HEAD``
+        bytes go to umqtt (``cut``), which acknowledges it, the rest is
+        read through the scratch buffer and forgotten, and the device
+        refuses it by id: a heap that stays fragmented never gets the
+        block, and taking the message again at every connect kept the
+        connection from ever coming up."""
         global cut
-        head = self._head
-        self._head = None
-        n = self._short
-        if not head:
-            head = self._recv(_HEAD if n > _HEAD else n)
-            n -= len(head)
-        elif len(head) > _HEAD:
-            head = head[:_HEAD]
-        self._recv(n, True)
-        cut = True
-        return head
+        try:
+            b = bytearray(n)
+        except MemoryError:
+            if not self._dup:
+                raise
+            b = bytearray(_HEAD)
+            self._recv(_HEAD, b)
+            self._recv(n - _HEAD, True)
+            cut = True
+            return b
+        self._recv(n, b)
+        return b
 
     def _recv(self, n, drop=False):
         """Exactly ``n`` bytes, blocking until the step's deadline.  With
-        ``drop`` they go through the scratch buffer and are forgotten; then
-        progress re-arms the deadline and feeds the watchdog (a large
-        message on a slow link is not a hung one).  A MemoryError leaves
-        what was read in ``_head`` and the count still unread in ``_short``
-        (for ``_cut``)."""
+        ``drop`` True they go through the scratch buffer and are forgotten,
+        with a bytearray they go into it; then progress re-arms the
+        deadline and feeds the watchdog (a large message on a slow link is
+        not a hung one)."""
         out = b""
-        mv = memoryview(self._buf)
-        try:
-            while n > 0:
-                rem = time.ticks_diff(self._deadline, time.ticks_ms())
-                if rem <= 0:
-                    raise OSError(errno.ETIMEDOUT)
-                # what is left of the step, rounded up to a quarter of it: a read
-                # ends at most timeout_ms / 4 late, and settimeout (a system call)
-                # runs at most four times per step instead of at every read
-                q = (self._t >> 2) or 1
-                rem = (rem + q - 1) // q * q
-                self._tmo(rem if rem < self._t else self._t)
-                try:
-                    if drop:
-                        got = self._s.readinto(mv[: min(n, len(mv))])
-                    else:
-                        data = self._s.read(n)
-                        got = len(data) if data is not None else None
-                except OSError as e:
-                    if e.args[0] not in _EAGAIN:
-                        raise
-                    got = None
-                if got == 0:
-                    raise OSError("mqtt: connection closed by the broker")
-                if got:
-                    n -= got
-                    if drop:
-                        self._deadline = time.ticks_add(time.ticks_ms(), self._t)
-                        feed()
-                    else:
-                        out = out + data if out else data
-        except MemoryError:
-            self._head = out
-            self._short = n
-            raise
+        into = drop is not True and drop
+        mv = memoryview(into or self._buf)
+        at = 0
+        while n > 0:
+            rem = time.ticks_diff(self._deadline, time.ticks_ms())
+            if rem <= 0:
+                raise OSError(errno.ETIMEDOUT)
+            # what is left of the step, rounded up to a quarter of it: a read
+            # ends at most timeout_ms / 4 late, and settimeout (a system call)
+            # runs at most four times per step instead of at every read
+            q = (self._t >> 2) or 1
+            rem = (rem + q - 1) // q * q
+            self._tmo(rem if rem < self._t else self._t)
+            try:
+                if into:
+                    got = self._s.readinto(mv[at : at + n])
+                elif drop:
+                    got = self._s.readinto(mv[: min(n, len(mv))])
+                else:
+                    data = self._s.read(n)
+                    got = len(data) if data is not None else None
+            except OSError as e:
+                if e.args[0] not in _EAGAIN:
+                    raise
+                got = None
+            if got == 0:
+                raise OSError("mqtt: connection closed by the broker")
+            if got:
+                n -= got
+                at += got
+                if drop:
+                    self._deadline = time.ticks_add(time.ticks_ms(), self._t)
+                    feed()
+                else:
+                    out = out + data if out else data
         return out
 
     def _frame(self, first):
