@@ -6,7 +6,7 @@ VERSION = "0.1.0"
 
 
 def unload(name):
-    """Forget the boot-only submodule ``name`` (configcheck, datadir), so
+    """Forget the boot-only submodule ``name`` (configcheck, datadir, devinit), so
     the garbage collector takes its code and tables: sys.modules and this
     package are what keep a module alive."""
     import sys

@@ -28,9 +28,6 @@ from umqtt import simple as _umqtt
 from umqtt.simple import MQTTClient, MQTTException
 
 from . import codec, fsutil, unload, wire
-from .backoff import Backoff
-from .ring import Ring
-from .seq import Sequence
 
 # umqtt signals a dead connection in several ways: OSError from the socket,
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
@@ -45,7 +42,6 @@ AUTH_REFUSED = (4, 5, 0x86, 0x87)
 _MSGS_PER_POLL = 16  # inbound messages handled per poll(): the loop stays responsive
 _REFILLS = 8  # connect(): reconnects to fetch what a full inbox refused
 _NTP_RETRY_MS = 600000  # a clock that did not sync is tried again after 10 min
-_RTC_MAGIC = "ie1"
 
 
 class InboxFull(OSError):
@@ -56,82 +52,18 @@ class InboxFull(OSError):
 
 class Device:
     def __init__(self, cfg, hw=None):
-        self.cfg = cfg
-        self._log_level = cfg.log
-        if hw is None:
-            from .hw import Hardware
-
-            hw = Hardware.from_config(cfg, self.log)
-        self.hw = hw
-        d = cfg.data_dir
-        try:
-            from . import datadir
-
-            if datadir.claim(d, cfg.device_id, self.log):
-                hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
-            ring_bytes = datadir.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=self.log)
-        finally:
-            unload("datadir")  # boot-only (heap)
-        self.ring = Ring(d + "/ring", ring_bytes, cfg.segment_bytes, cfg.cursor_every)
-        self.seq = Sequence(d + "/seq", cfg.seq_block)
-        self.wake = self._load_rtc()  # state kept in RTC memory across deep sleep
-        if hw.woke_from_deepsleep() and "seq" in self.wake:
-            self.seq.resume(self.wake["seq"])
-        self.reset_cause = hw.reset_cause()
-        self.backoff = Backoff(cfg.backoff_base_ms, cfg.backoff_max_ms)
-        self.auth_backoff = Backoff(cfg.auth_backoff_base_ms, cfg.auth_backoff_max_ms)
-        self._tls = None
-        if cfg.tls:
-            self._tls = _make_tls(cfg)
-        self._client = None
-        self._next_try = time.ticks_ms()
-        self._last_tx = self._next_try
-        # every blocking network step gives up after this; with a watchdog a
-        # step (one read plus one write) must end well before it bites
-        t = cfg.socket_timeout_s * 1000
-        if cfg.wdt_ms and t > cfg.wdt_ms // 3:
-            t = cfg.wdt_ms // 3
-        self._t_ms = t
-        wire.timeout_ms = t
-        wire.max_payload = cfg.msg_max_bytes
-        wire.feed = hw.feed
-        wire.log = self.log
-        self._last_rx = self._next_try
-        self._frames = 0
-        self._ping_at = None
-        self._wifi_t0 = None
-        self._ntp_next = self._next_try
-        self._refill = False
-        self._inbox = []
-        self._inbox_bytes = 0
-        self._handlers = {}
-        self._config_cb = None
-        self._reported_dropped = -1
-        self._prefix = cfg.topic_prefix
-        dev = cfg.device_id
-        self._t_status = codec.topic(self._prefix, dev, "status")
-        self._t_cmd = codec.topic(self._prefix, dev, "down", "cmd")
-        self._t_config = codec.topic(self._prefix, dev, "down", "config")
-        self._b_cmd = self._t_cmd.encode()
-        self._b_config = self._t_config.encode()
-        self._up = {}
-        self._in = None  # commands.py, loaded with the first command or config (heap)
-        self.receipts = None  # receipts.py, loaded only when on (heap)
+        # the body is devinit.py, boot-only (heap): loaded for the one
+        # Device, unloaded when it is made.  receipts.py first, as it stays.
+        R = None
         if cfg.receipts:
-            from .receipts import Receipts
+            from .receipts import Receipts as R
+        from . import devinit
 
-            self.receipts = Receipts(self)
-        self.stats = {
-            "connects": 0,
-            "conn_failures": 0,
-            "auth_failures": 0,
-            "sent": 0,
-            "buffered": 0,
-            "commands": 0,
-            "duplicates": 0,
-            "bad_messages": 0,
-            "inbox_full": 0,
-        }
+        try:
+            devinit.init(self, cfg, hw)
+        finally:
+            unload("devinit")
+        self.receipts = None if R is None else R(self)  # receipts.py, loaded only when on (heap)
 
     # -- application API --------------------------------------------------------
     def command(self, name):
@@ -536,6 +468,13 @@ class Device:
         # runs inside umqtt's read loop: queue only, never publish here.
         # umqtt acknowledges the message when this returns, so what does not
         # fit is refused (no ack) and comes again after a reconnect.
+        if wire.cut:  # only the head of a message the heap could not hold twice
+            wire.cut = False
+            self.stats["bad_messages"] += 1
+            self.log("out of memory for a message on", topic)
+            if topic != self._b_cmd:
+                return
+            topic = None  # a command: refused by id (_handle_inbox)
         n = len(msg)
         if self._inbox and self._inbox_bytes + n > self.cfg.inbox_bytes:
             self.stats["inbox_full"] += 1
@@ -549,7 +488,9 @@ class Device:
             topic, msg = self._inbox.pop(0)
             self._inbox_bytes -= len(msg)
             try:
-                if topic == self._b_cmd:
+                if topic is None:
+                    self._refuse(msg)  # cut short (_on_msg), acknowledged: answer it by id
+                elif topic == self._b_cmd:
                     self._inbound().command(msg)
                 elif topic == self._b_config:
                     self._inbound().config(msg)
@@ -579,33 +520,13 @@ class Device:
             h = self._in = Inbound(self)
         return h
 
-    # -- RTC memory ---------------------------------------------------------------
-    def _load_rtc(self):
-        raw = self.hw.rtc_load()
-        if raw:
-            try:
-                doc = json.loads(raw)
-                if isinstance(doc, dict) and doc.get("m") == _RTC_MAGIC:
-                    return doc
-            except ValueError:
-                pass
-        return {"m": _RTC_MAGIC}
-
+    # -- RTC memory (loaded by devinit.py) -------------------------------------
     def _save_rtc(self):
         self.hw.rtc_save(json.dumps(self.wake).encode())
 
 
 def _refused_login(err):
     return isinstance(err, MQTTException) and len(err.args) > 0 and err.args[0] in AUTH_REFUSED
-
-
-def _make_tls(cfg):
-    from . import tlsconn
-
-    cadata = fsutil.read(cfg.ca_file)
-    if not cadata:
-        raise OSError("tls: cannot read the gateway CA certificate " + cfg.ca_file)
-    return tlsconn.Tls(cadata, cfg.tls_hostname or cfg.broker, cfg.socket_timeout_s)
 
 
 def _close(client):

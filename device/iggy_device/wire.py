@@ -31,6 +31,7 @@ _EAGAIN = (errno.EAGAIN, errno.ETIMEDOUT)  # what a timed-out read reports
 timeout_ms = 10000
 max_payload = 4096
 refused = 0  # inbound messages over max_payload, thrown away
+cut = False  # the message umqtt was just handed is only its head: see Wire._big
 feed = None
 log = None
 _addr = None
@@ -40,6 +41,7 @@ _addr = None
 # one at every reconnect was an allocation a fragmented heap could fail.
 buf = None
 _SIZE = 384
+_HEAD = 96  # bytes of a message cut short: a command's id is in them
 
 
 def socket(*args):
@@ -72,6 +74,7 @@ class Wire:
         self._cur = -1  # timeout currently set on the raw socket (ms)
         self._left = 0  # body bytes of the current inbound packet umqtt has not read
         self._pb = b""  # header bytes read ahead, handed to umqtt next
+        self._dup = False  # the current packet is a redelivered PUBLISH
         self.frames = 0  # inbound packets: liveness
         self._deadline = time.ticks_add(time.ticks_ms(), self._t)  # a step's end
 
@@ -129,7 +132,7 @@ class Wire:
         self._pb = self._pb[len(out) :]
         k = n - len(out)
         if k > 0:
-            body = self._recv(k)
+            body = self._big(k) if k > _SIZE and k == self._left else self._recv(k)
             self._left = self._left - k if self._left > k else 0
             out = out + body if out else body
         return out
@@ -164,13 +167,40 @@ class Wire:
             self._raw.settimeout(ms / 1000 if ms else 0)
             self._cur = ms
 
+    def _big(self, n):
+        """A large PUBLISH payload (the rest of the packet), read in place
+        into one block allocated before a byte is read.  When the heap
+        cannot hold it the first time, the connection drops and the broker
+        sends it again (DUP); the second time only its first ``_HEAD``
+        bytes go to umqtt (``cut``), which acknowledges it, the rest is
+        read through the scratch buffer and forgotten, and the device
+        refuses it by id: a heap that stays fragmented never gets the
+        block, and taking the message again at every connect kept the
+        connection from ever coming up."""
+        global cut
+        try:
+            b = bytearray(n)
+        except MemoryError:
+            if not self._dup:
+                raise
+            b = bytearray(_HEAD)
+            self._recv(_HEAD, b)
+            self._recv(n - _HEAD, True)
+            cut = True
+            return b
+        self._recv(n, b)
+        return b
+
     def _recv(self, n, drop=False):
         """Exactly ``n`` bytes, blocking until the step's deadline.  With
-        ``drop`` they go through the scratch buffer and are forgotten; then
-        progress re-arms the deadline and feeds the watchdog (a large
-        message on a slow link is not a hung one)."""
+        ``drop`` True they go through the scratch buffer and are forgotten,
+        with a bytearray they go into it; then progress re-arms the
+        deadline and feeds the watchdog (a large message on a slow link is
+        not a hung one)."""
         out = b""
-        mv = memoryview(self._buf)
+        into = drop is not True and drop
+        mv = memoryview(into or self._buf)
+        at = 0
         while n > 0:
             rem = time.ticks_diff(self._deadline, time.ticks_ms())
             if rem <= 0:
@@ -182,7 +212,9 @@ class Wire:
             rem = (rem + q - 1) // q * q
             self._tmo(rem if rem < self._t else self._t)
             try:
-                if drop:
+                if into:
+                    got = self._s.readinto(mv[at : at + n])
+                elif drop:
                     got = self._s.readinto(mv[: min(n, len(mv))])
                 else:
                     data = self._s.read(n)
@@ -195,6 +227,7 @@ class Wire:
                 raise OSError("mqtt: connection closed by the broker")
             if got:
                 n -= got
+                at += got
                 if drop:
                     self._deadline = time.ticks_add(time.ticks_ms(), self._t)
                     feed()
@@ -218,6 +251,7 @@ class Wire:
             if sh > 21:
                 raise OSError("mqtt: malformed packet length")
         self.frames += 1
+        self._dup = op & 0xF8 == 0x38
         if op & 0xF0 == 0x30 and size >= 2:
             tl = self._recv(2)
             topic_len = tl[0] << 8 | tl[1]

@@ -119,6 +119,27 @@ elif mode == "fragmented":
     hole = None
     gc.collect()
     print("IGGY-FRAGMENTED free", gc.mem_free())
+elif mode == "no_block":
+    # the heap full of app["hole"]-byte pieces (and small ones in what is
+    # left), then every other piece freed: holes of that size between kept
+    # ones, room for everything else, no block for a large command, ever
+    gc.collect()
+    gaps = []
+    small = []
+    try:
+        while True:
+            gaps.append(bytearray(app["hole"]))
+    except MemoryError:
+        pass
+    try:
+        while True:
+            small.append(bytearray(8))
+    except MemoryError:
+        pass
+    for i in range(1, len(gaps), 2):
+        gaps[i] = None
+    gc.collect()
+    print("IGGY-FRAGMENTED free", gc.mem_free())
 try:
     serve(app.get("serve_ms", 3000))
     dev.flush()
@@ -202,6 +223,45 @@ def test_large_commands_on_a_fragmented_heap_are_all_answered(broker: Broker, tm
         assert all(d["status"] == "ok" or d.get("error") == "out of memory" for d in answered.values()), (
             answered
         )
+    finally:
+        acks.stop()
+        responder.close()
+
+
+def test_a_command_the_heap_never_has_a_block_for_is_refused_not_taken_at_every_connect(
+    broker: Broker, tmp_path: Path
+) -> None:
+    # no free block as large as the command, ever: the old code dropped the
+    # connection at each delivery (not acknowledged, so the broker sent it
+    # again at the next connect, and again): the board never got a session
+    # up and the command was never answered
+    dev = unique_device_id("nohole")
+    responder = ReceiptResponder(broker)
+    acks = MqttLog(broker, f"edge/{dev}/up/ack", tmp_path, f"acks-{dev}")
+    n = 2
+    try:
+        flash, board = _board(
+            tmp_path,
+            broker,
+            dev,
+            "160k",
+            app={"mode": "no_block", "hole": 1024, "serve_ms": 6000},
+            inbox_bytes=4096,
+        )
+        wait_console(board, "IGGY-READY on", what="the board past the receipt gate")
+        for i in range(n):
+            _command(broker, dev, f"big-{i}", blob=3900)
+        flash.path("go").write_text("")
+        assert board.wait(90) == 0, board.console()[-3000:]
+        assert "IGGY-FRAGMENTED" in board.console()
+        acks.wait_for(
+            lambda m: len({d["id"] for d in m.json("/up/ack")}) >= n, 20, "an answer to every command"
+        )
+        answered = {d["id"]: d for d in acks.json("/up/ack")}
+        assert answered == {
+            f"big-{i}": {"id": f"big-{i}", "status": "error", "error": "out of memory"} for i in range(n)
+        }
+        assert board.done()["bad_messages"] >= n
     finally:
         acks.stop()
         responder.close()
