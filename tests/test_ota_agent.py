@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from iggy_edge.ota.cloud import cloud_messages, ota_topic
 from iggy_edge.ota.updater import Limits
 from iggy_edge.uplink.memory import MemoryIggy
 
@@ -202,7 +203,7 @@ async def test_garbage_on_up_ota_is_counted_and_ignored(tmp_path: Path, broker: 
         b'{"st":"need","f":-1,"o":0}',
         b'{"st":"reboot"}',
         b'{"st":"done","id":"' + b"x" * 100 + b'"}',
-        b'{"st":"idle","v":' + b"1" * 600 + b"}",
+        b'{"st":"idle","v":' + b"1" * 1100 + b"}",
     ]
     async with running(settings, iggy) as r:
         board = await ScriptedBoard(broker.host, broker.port, "dev-1", script=Script(deaf_chunks=1)).start()
@@ -291,3 +292,27 @@ class CorruptAlways(set[tuple[int, int]]):
 
 
 _ = FAST
+
+
+async def test_an_update_requested_by_the_cloud_side_through_iggy(tmp_path: Path, broker: Broker) -> None:
+    settings = ota_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    art = app("v2", size=150_000)  # three Iggy chunks
+    topic = ota_topic(settings)
+    good = cloud_messages(art, ["dev-1"])
+    tampered = bytearray(good[1])
+    tampered[-1] ^= 1
+    for m in [b"garbage", bytes(tampered), b'{"t":"update","artifact":"nope","devices":["dev-1"]}']:
+        iggy.publish("edge", topic, 0, m)
+    async with running(settings, iggy) as r:
+        board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
+        try:
+            await asyncio.sleep(0.5)
+            assert state_of(settings, "dev-1") is None  # nothing usable yet
+            for m in good:
+                iggy.publish("edge", topic, 0, m)
+            await wait_state(settings, "dev-1", "done", timeout=30)
+        finally:
+            await board.stop()
+        assert board.flash.installed == dict(art.files)
+        assert r.metric("iggy_edge_ota_bound_hits_total", bound="artifact") >= 2

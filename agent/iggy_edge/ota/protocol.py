@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Final
 
 CHUNK_BYTES: Final = 1024  # data per chunk: the whole message stays under 1.5 kB
-MAX_FILES: Final = 16
+MAX_FILES: Final = 32  # the library (19 modules) and an app: see docs/ota.md
 MAX_PATH_CHARS: Final = 64
 MAX_VERSION_CHARS: Final = 32
 MAX_WHY_CHARS: Final = 200
-MAX_REPLY_BYTES: Final = 512  # a reply is a few fields; anything longer is garbage
+MAX_REPLY_BYTES: Final = 1024  # a few fields and a reason of 200 characters; longer is garbage
 # Board states on up/ota (the contract's "Messages board -> gateway")
 BOARD_STATES: Final = ("need", "bad", "staged", "trial", "done", "rolled_back", "failed", "idle")
 

@@ -110,6 +110,7 @@ class Updater:
         self._limited = RateLimitedLog(log)
         self._held: set[str] = set()  # updates counted once as waiting for a slot
         self._admitted_at = 0.0
+        self._last_ids: frozenset[str] = frozenset()
 
     # -- what ingest and the link call (synchronous, never raising) ------------
 
@@ -187,7 +188,14 @@ class Updater:
         queued = 0
         for row in rows:
             run = self._runs.get(row.device)
-            if row.cancel:
+            if row.cancel and run is not None and run.state in ("switching", "trial"):
+                self._limited.warning(
+                    "ota-late-cancel",
+                    "ota: update %s for %s: too late to cancel, the board switched",
+                    row.id,
+                    row.device,
+                )
+            elif row.cancel:
                 self._publish(self._topics.ota(row.device), wire.abort(row.id))
                 if run is not None and run.uid == row.id:
                     await self._finish(run, "cancelled", "cancelled by the operator")
@@ -226,7 +234,10 @@ class Updater:
             await self._start(row, resume=False)
         self._m.queued.set(queued)
         self._m.active.set(len(self._runs))
-        await self._state.finish_rollouts()
+        ids = frozenset(r.id for r in rows)
+        if ids != self._last_ids:  # something finished or came: rollouts may be over (a write: not idle)
+            self._last_ids = ids
+            await self._state.finish_rollouts()
 
     async def _start(self, row: Row, *, resume: bool) -> None:
         art = await self._state.artifact(row.artifact)
