@@ -60,6 +60,9 @@ class ScriptedBoard:
         self.received: list[dict[str, Any]] = []  # every header line from down/ota
         self.chunks: dict[tuple[int, int], int] = {}  # (f, o) -> times received
         self.replies: list[dict[str, Any]] = []
+        self.first_at: float | None = None  # loop time of the first message on down/ota
+        self.staged_at: float | None = None  # ... of the reply "staged"
+        self.bytes_in = 0  # payload bytes received on down/ota
         self._client: gmqtt.Client | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -92,6 +95,8 @@ class ScriptedBoard:
                 await client.disconnect()
 
     def reply(self, doc: dict[str, Any]) -> None:
+        if doc.get("st") == "staged" and self.staged_at is None:
+            self.staged_at = asyncio.get_running_loop().time()
         self.replies.append(doc)
         if self._client is not None:
             self._client.publish(f"{self.prefix}/{self.device}/up/ota", json.dumps(doc).encode(), qos=1)
@@ -103,6 +108,9 @@ class ScriptedBoard:
     # -- the contract ---------------------------------------------------------
 
     def _on_message(self, client: Any, topic: str, payload: bytes, qos: int, props: Any) -> int:
+        if self.first_at is None:
+            self.first_at = asyncio.get_running_loop().time()
+        self.bytes_in += len(payload)
         head, _, body = payload.partition(b"\n")
         doc = json.loads(head)
         self.received.append(doc)
