@@ -39,6 +39,9 @@ def test_with_the_loader_the_app_goes_to_slot_a_and_main_py_is_the_loader(tmp_pa
     assert has_loader(root)
     files = _stage(root, tmp_path)
     assert files["main.py"].read_text() == LOADER
+    state = json.loads(files["ota.json"].read_text())  # slot a, and a version to report
+    assert state["cur"] == "a"
+    assert state["v"].startswith("env_sensor-")
     assert {"s/a/main.py", "s/a/bme280.py", "config.json", "config.local.json"} <= set(files)
     assert "bme280.py" not in files
     plan = build_plan("/dev/ttyUSB0", files, tmp_path)

@@ -14,12 +14,12 @@ provisioning put them.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import tempfile
 from pathlib import Path
 
 from ..provision.errors import ProvisionError
+from ..provision.layout import default_version
 from ..provision.sources import LIBRARY_PACKAGE, examples, tool
 from ..provision.staging import mpy_header
 from .artifact import MAX_ARTIFACT_BYTES, Artifact, ArtifactError
@@ -91,9 +91,8 @@ def build(
                 versions.add(_mpy_version(path, data, Path(tmp)))
     if len(versions) > 1:
         raise ArtifactError(f"the .mpy files are of several .mpy versions ({sorted(versions)}): rebuild them")
-    digest = hashlib.sha256(b"".join(p.encode() + b"\0" + d for p, d in files)).hexdigest()
     art = Artifact(
-        version or f"{name[:22]}-{digest[:8]}",
+        version or default_version(name, sorted(files)),
         tuple(files),
         versions.pop() if versions else None,
         (f"example {example}" if example else f"app {src.resolve()}")

@@ -6,23 +6,40 @@ With the loader (``iggy_device/otaboot.py`` in the library being installed):
 app's files go to slot ``/s/a/`` (the loader runs slot "a" on a board without
 ``ota.json``); config.json, its secrets and the CA certificate stay at the
 root, the library in ``/lib/iggy_device/``.  Provisioning also clears what
-an earlier update left (``ota.json``, the staging manifest, both slots), so
-the board runs exactly what was provisioned.  Without the loader (a library
+an earlier update left (the staging manifest, both slots) and writes a
+fresh ``ota.json`` (slot "a", the app's version: `default_version`), so the
+board runs exactly what was provisioned and reports its version.  Without the loader (a library
 from before over-the-air updates) the app goes to the root as it always did.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Final
 
 from .sources import LIBRARY_PACKAGE
 
 LOADER_MODULE: Final = "otaboot"
-LOADER: Final = f"from {LIBRARY_PACKAGE} import {LOADER_MODULE}\n{LOADER_MODULE}.run()\n"
+LOADER: Final = f"from {LIBRARY_PACKAGE} import {LOADER_MODULE}\n\n{LOADER_MODULE}.run()\n"
 SLOT: Final = "s/a"
 SLOTS: Final = ("s/a", "s/b")
 OTA_STATE: Final = ("ota.json", "ota.json.tmp", "s/m.json")
+STATE_FILE: Final = "ota.json"
+
+
+def default_version(name: str, files: list[tuple[str, bytes]]) -> str:
+    """``NAME-<8 hex>`` of an app's files (paths relative to the slot): what
+    `device provision` records and `device update` sends by default, so the
+    same files show as the same version."""
+    digest = hashlib.sha256(b"".join(p.encode() + b"\0" + d for p, d in files)).hexdigest()
+    return f"{name[:22]}-{digest[:8]}"
+
+
+def ota_state(version: str) -> bytes:
+    """The board's ota.json right after provisioning: slot "a", its version."""
+    return json.dumps({"cur": "a", "v": version}, separators=(",", ":")).encode()
 
 
 def has_loader(root: Path) -> bool:
