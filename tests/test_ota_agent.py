@@ -316,3 +316,20 @@ async def test_an_update_requested_by_the_cloud_side_through_iggy(tmp_path: Path
             await board.stop()
         assert board.flash.installed == dict(art.files)
         assert r.metric("iggy_edge_ota_bound_hits_total", bound="artifact") >= 2
+
+
+async def test_a_lost_verdict_is_asked_for_after_the_switch(tmp_path: Path, broker: Broker) -> None:
+    settings = ota_settings(tmp_path, broker)
+    async with running(settings):
+        board = await ScriptedBoard(
+            broker.host, broker.port, "dev-1", script=Script(lose_verdict=True)
+        ).start()
+        try:
+            await request(settings, app("v1"), [["dev-1"]])
+            await wait_state(settings, "dev-1", "done")
+        finally:
+            await board.stop()
+        kinds = [m["t"] for m in board.received]
+        assert kinds[-1] == "q"  # after the switch it asked, and took "idle v1" as done
+        assert kinds.count("q") >= 2  # the first probe, and that one
+        assert rows(settings)["dev-1"]["board_version"] == "v1"

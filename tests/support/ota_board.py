@@ -48,6 +48,7 @@ class Script:
     deaf_chunks: int = 0  # ignore this many chunks (no reply): the gateway's timer must resend
     silent: bool = False  # answer nothing at all
     switch_delay_s: float = 0.1
+    lose_verdict: bool = False  # the "done" after the switch never reaches the gateway
 
 
 class ScriptedBoard:
@@ -188,7 +189,8 @@ class ScriptedBoard:
         else:
             fl.installed = {p: bytes(b) for (p, _, _), b in zip(fl.manifest["files"], fl.files, strict=True)}
             fl.version = version
-            self.reply({"id": uid, "st": "done", "v": version})
+            if not self.script.lose_verdict:
+                self.reply({"id": uid, "st": "done", "v": version})
         fl.staging_id, fl.manifest, fl.files = None, None, []
 
     def _later(self, coro: Any) -> None:

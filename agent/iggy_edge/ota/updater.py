@@ -186,6 +186,8 @@ class Updater:
     async def _admit(self) -> None:
         rows = await self._state.active()
         queued = 0
+        verdicts: dict[tuple[str, int], bool | str] = {}
+        stopped: set[str] = set()
         for row in rows:
             run = self._runs.get(row.device)
             if row.cancel and run is not None and run.state in ("switching", "trial"):
@@ -210,9 +212,14 @@ class Updater:
             if row.state != "queued":  # was in progress when the agent stopped: resume
                 await self._start(row, resume=True)
                 continue
-            ok = await self._state.admissible(row)
+            wave = (row.rollout, row.wave)
+            if wave not in verdicts:  # once per rollout wave and pass: a rollout can have 1000 boards
+                verdicts[wave] = await self._state.admissible(row)
+            ok = verdicts[wave]
             if isinstance(ok, str):
-                await self._state.stop_rollout(row.rollout, ok)
+                if row.rollout not in stopped:
+                    stopped.add(row.rollout)
+                    await self._state.stop_rollout(row.rollout, ok)
                 continue
             if not ok:
                 queued += 1
