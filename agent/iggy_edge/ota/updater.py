@@ -111,6 +111,9 @@ class Updater:
         self._held: set[str] = set()  # updates counted once as waiting for a slot
         self._admitted_at = 0.0
         self._last_ids: frozenset[str] = frozenset()
+        # One event at a time (a reply, a tick): a reply's state change and a
+        # timeout's "failed" must not interleave across their awaits.
+        self._lock = asyncio.Lock()
 
     # -- what ingest and the link call (synchronous, never raising) ------------
 
@@ -168,16 +171,20 @@ class Updater:
                 self._m.replies.labels("stale").inc()
                 continue
             self._m.replies.labels("ok").inc()
-            await self._on_reply(run, reply)
+            async with self._lock:
+                if self._runs.get(device) is run:  # not finished meanwhile
+                    await self._on_reply(run, reply)
 
     async def _ticks(self) -> None:
         while True:
             now = time.monotonic()
-            if now - self._admitted_at >= ADMIT_INTERVAL_S:
-                self._admitted_at = now
-                await self._admit()
-            for run in list(self._runs.values()):
-                await self._check_time(run, time.monotonic())
+            async with self._lock:
+                if now - self._admitted_at >= ADMIT_INTERVAL_S:
+                    self._admitted_at = now
+                    await self._admit()
+                for run in list(self._runs.values()):
+                    if self._runs.get(run.row.device) is run:
+                        await self._check_time(run, time.monotonic())
             self._wanted.set() if self._runs else self._wanted.clear()
             await asyncio.sleep(self.limits.tick_s)
 
