@@ -13,7 +13,9 @@ only) the bytes:
 
 Untrusted: each chunk is checked against its ``h``, the whole bundle
 against the artifact's sha256 and every bound (artifact.from_bundle),
-before it is kept; a bad message is logged, counted and skipped.  At most
+before it is kept; a bad message is logged, counted and skipped.  Read
+with a look first (the topic's newest offset) and a poll only when there is
+news, every 5 s while idle.  At most
 `MAX_ASSEMBLING` artifacts are put together at once (the oldest goes).  The
 offset is kept in ota.db only when no artifact is half read, so a restart
 reads the chunks of an unfinished one again.
@@ -29,7 +31,7 @@ from typing import Any, Final
 from ..config import Settings
 from ..device_ids import device_id_problem
 from ..logs import RateLimitedLog
-from ..uplink.protocol import CommandSource, UplinkError
+from ..uplink.protocol import CommandSource, UplinkError, UplinkRejected
 from . import requests as req
 from .artifact import MAX_ARTIFACT_BYTES, Artifact, ArtifactError, from_bundle
 from .metrics import OtaMetrics
@@ -41,7 +43,7 @@ CLOUD_CHUNK_BYTES: Final = 60 * 1024
 MAX_ASSEMBLING: Final = 2
 POLL_BATCH: Final = 16
 PARTITION: Final = 0
-ERROR_PAUSE_S: Final = 5.0
+LOOK_INTERVAL_S: Final = 5.0  # requests are not latency-critical
 _OFFSETS = (
     "CREATE TABLE IF NOT EXISTS ota_cloud_offset (topic TEXT PRIMARY KEY, last_offset INTEGER NOT NULL)"
 )
@@ -104,15 +106,34 @@ class CloudRequests:
         self._limited = RateLimitedLog(log)
 
     async def run(self) -> None:
+        """Look (the topic's newest offset), poll only when there is news, every
+        `LOOK_INTERVAL_S` while idle: an idle gateway costs Iggy one small
+        request per interval, and none of the return poll's cadence."""
         last = await asyncio.to_thread(self._load_offset)
+        looks = True  # False once the server refused a look: poll instead
         while True:
             try:
-                messages = await self._source.poll(self._stream, self._topic, PARTITION, last + 1, POLL_BATCH)
+                if looks and not await self._news(last):
+                    await asyncio.sleep(LOOK_INTERVAL_S)
+                    continue
+            except UplinkRejected as e:  # a user that may poll but not read topic details
+                looks = False
+                log.info(
+                    "ota: %s/%s: the look was refused (%s); polling instead", self._stream, self._topic, e
+                )
             except UplinkError as e:
+                self._limited.warning(
+                    "ota-cloud-look", "ota: cannot look at %s/%s: %s", self._stream, self._topic, e
+                )
+                await asyncio.sleep(LOOK_INTERVAL_S)
+                continue
+            try:
+                messages = await self._source.poll(self._stream, self._topic, PARTITION, last + 1, POLL_BATCH)
+            except UplinkError as e:  # with looks off, a missing topic says so here
                 self._limited.warning(
                     "ota-cloud-poll", "ota: cannot read %s/%s: %s", self._stream, self._topic, e
                 )
-                await asyncio.sleep(max(self._interval, ERROR_PAUSE_S))  # e.g. the cloud never made the topic
+                await asyncio.sleep(LOOK_INTERVAL_S)
                 continue
             for m in messages:
                 await self._take(m.payload, m.offset)
@@ -120,7 +141,11 @@ class CloudRequests:
                 if not self._parts:
                     await asyncio.to_thread(self._store_offset, last)
             if len(messages) < POLL_BATCH:
-                await asyncio.sleep(self._interval)
+                await asyncio.sleep(self._interval if self._parts else LOOK_INTERVAL_S)
+
+    async def _news(self, last: int) -> bool:
+        newest = await self._source.last_offsets(self._stream, self._topic)
+        return newest is not None and newest.get(PARTITION, -1) > last
 
     async def _take(self, payload: bytes, offset: int) -> None:
         head, _, body = payload.partition(b"\n")
