@@ -333,3 +333,22 @@ async def test_a_lost_verdict_is_asked_for_after_the_switch(tmp_path: Path, brok
         assert kinds[-1] == "q"  # after the switch it asked, and took "idle v1" as done
         assert kinds.count("q") >= 2  # the first probe, and that one
         assert rows(settings)["dev-1"]["board_version"] == "v1"
+
+
+async def test_progress_is_committed_while_downloading(tmp_path: Path, broker: Broker) -> None:
+    settings = ota_settings(tmp_path, broker)
+    art = app("v1", size=12_000)
+    async with running(settings):
+        board = await ScriptedBoard(
+            broker.host, broker.port, "dev-1", script=Script(chunk_delay_s=0.25)
+        ).start()
+        try:
+            await request(settings, art, [["dev-1"]])
+            await async_wait_until(
+                lambda: 0 < (rows(settings)["dev-1"]["done_bytes"] or 0) < art.total,
+                what="progress mid-download",
+            )
+            assert state_of(settings, "dev-1") == "downloading"
+            await wait_state(settings, "dev-1", "done")
+        finally:
+            await board.stop()

@@ -49,6 +49,7 @@ class Script:
     silent: bool = False  # answer nothing at all
     switch_delay_s: float = 0.1
     lose_verdict: bool = False  # the "done" after the switch never reaches the gateway
+    chunk_delay_s: float = 0.0  # a slow flash: each chunk's answer comes this much later
 
 
 class ScriptedBoard:
@@ -173,6 +174,13 @@ class ScriptedBoard:
             return
         if f < len(fl.files) and o == len(fl.files[f]):
             fl.files[f] += data
+        if self.script.chunk_delay_s:
+            self._later(self._need_later())
+        else:
+            self._need_next()
+
+    async def _need_later(self) -> None:
+        await asyncio.sleep(self.script.chunk_delay_s)
         self._need_next()
 
     async def _switch(self) -> None:

@@ -47,6 +47,7 @@ from .state import OtaState, Row
 log = logging.getLogger(__name__)
 
 ADMIT_INTERVAL_S: Final = 1.0
+PROGRESS_EVERY_S: Final = 1.0
 # publish(topic, payload) at QoS 1 -> False when there is no connection now
 Publish = Callable[[str, bytes], bool]
 
@@ -80,6 +81,7 @@ class Run:
     offers: int = 0
     bad: int = 0
     board_version: str | None = None
+    saved_at: float = 0.0  # monotonic time progress was last committed
 
     def __post_init__(self) -> None:
         self.heard_at = self.phase_since = self.now
@@ -358,7 +360,8 @@ class Updater:
             self._m.chunks.inc()
             self._m.chunk_bytes.inc(len(data))
             await self._send(run, wire.chunk(run.uid, r.f, r.o, data), "downloading")
-            if run.state == "downloading" and run.done_bytes % (16 * wire.CHUNK_BYTES) == 0:
+            if now - run.saved_at >= PROGRESS_EVERY_S:  # progress for `status`; the board knows its own
+                run.saved_at = now
                 await self._state.save(run.uid, run.state, run.done_bytes)
         elif st == "staged":
             if run.state in ("switching", "trial"):
