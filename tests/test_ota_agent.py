@@ -24,6 +24,7 @@ from tests.support.ota_agent import (
     wait_state,
 )
 from tests.support.ota_board import Script, ScriptedBoard
+from tests.support.return_path import device
 from tests.support.wait import async_wait_until
 
 
@@ -352,3 +353,50 @@ async def test_progress_is_committed_while_downloading(tmp_path: Path, broker: B
             await wait_state(settings, "dev-1", "done")
         finally:
             await board.stop()
+
+
+async def test_chunks_follow_the_size_the_board_asks_for_and_a_repeated_need_is_answered_once(
+    tmp_path: Path, broker: Broker
+) -> None:
+    settings = ota_settings(tmp_path, broker)
+    art = app("v1", size=5000)
+    limits = Limits(resend_s=5.0, resend_max_s=5.0, tick_s=0.05)  # no timeout resends in this test
+    async with running(settings, limits=limits) as r:
+        board = await ScriptedBoard(
+            broker.host, broker.port, "dev-1", script=Script(n=512, duplicate_needs=True)
+        ).start()
+        try:
+            await request(settings, art, [["dev-1"]])
+            await wait_state(settings, "dev-1", "done")
+        finally:
+            await board.stop()
+        assert board.oversized == 0
+        assert (1, 512) in board.chunks
+        assert (1, 1024) in board.chunks  # 512 at a time
+        assert all(n == 1 for n in board.chunks.values())  # each asked twice, sent once
+        assert r.metric("iggy_edge_ota_replies_total", kind="duplicate") >= len(board.chunks) - 1
+        assert board.flash.installed == dict(art.files)
+
+
+async def test_nothing_goes_to_a_board_while_its_status_is_offline(tmp_path: Path, broker: Broker) -> None:
+    settings = ota_settings(tmp_path, broker)
+    art = app("v1", size=8000)
+    async with running(settings), device(broker, "edge/dev-1/down/ota") as watch:
+        board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
+        await request(settings, art, [["dev-1"]])
+        await async_wait_until(lambda: len(board.chunks) >= 3, what="some chunks")
+        board.script.silent = True
+        await board.stop()  # status offline, then gone
+        await asyncio.sleep(0.5)
+        sent = len(watch.messages)
+        await asyncio.sleep(4 * FAST.resend_max_s)  # several resend timeouts
+        assert len(watch.messages) == sent  # held while offline
+        board.script.silent = False
+        again = ScriptedBoard(broker.host, broker.port, "dev-1", script=board.script)
+        again.flash = board.flash
+        await again.start()  # online: the manifest goes again
+        try:
+            await wait_state(settings, "dev-1", "done")
+        finally:
+            await again.stop()
+        assert board.flash.installed == dict(art.files)

@@ -50,6 +50,8 @@ class Script:
     switch_delay_s: float = 0.1
     lose_verdict: bool = False  # the "done" after the switch never reaches the gateway
     chunk_delay_s: float = 0.0  # a slow flash: each chunk's answer comes this much later
+    n: int | None = None  # the most data bytes it takes in one chunk (its need says so)
+    duplicate_needs: bool = False  # every need is sent twice (as a board greeting a session does)
 
 
 class ScriptedBoard:
@@ -65,6 +67,7 @@ class ScriptedBoard:
         self.first_at: float | None = None  # loop time of the first message on down/ota
         self.staged_at: float | None = None  # ... of the reply "staged"
         self.bytes_in = 0  # payload bytes received on down/ota
+        self.oversized = 0  # chunks longer than the board's n
         self._client: gmqtt.Client | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -152,7 +155,11 @@ class ScriptedBoard:
         assert fl.manifest is not None
         for i, (_, size, _) in enumerate(fl.manifest["files"]):
             if len(fl.files[i]) < size:
-                self.reply({"id": fl.staging_id, "st": "need", "f": i, "o": len(fl.files[i])})
+                need: dict[str, Any] = {"id": fl.staging_id, "st": "need", "f": i, "o": len(fl.files[i])}
+                if self.script.n is not None:
+                    need["n"] = self.script.n
+                for _ in range(2 if self.script.duplicate_needs else 1):
+                    self.reply(need)
                 return
         self.reply({"id": fl.staging_id, "st": "staged"})
         self._later(self._switch())
@@ -163,6 +170,9 @@ class ScriptedBoard:
             return
         f, o = doc["f"], doc["o"]
         self.chunks[(f, o)] = self.chunks.get((f, o), 0) + 1
+        if self.script.n is not None and len(data) > self.script.n:
+            self.oversized += 1  # a real board would have run out of heap
+            return
         if self.script.deaf_chunks > 0:
             self.script.deaf_chunks -= 1
             return

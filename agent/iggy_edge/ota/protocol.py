@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-CHUNK_BYTES: Final = 1024  # data per chunk: the whole message stays under 1.5 kB
+CHUNK_BYTES: Final = 1024  # data per chunk at most: the whole message stays under 1.5 kB
+MIN_CHUNK_BYTES: Final = 64  # a board's need may ask for less ("n"), not for less than this
 MAX_FILES: Final = 32  # the library (19 modules) and an app: see docs/ota.md
 MAX_PATH_CHARS: Final = 64
 MAX_VERSION_CHARS: Final = 32
@@ -75,6 +76,10 @@ def abort(uid: str) -> bytes:
     return _line({"t": "x", "id": uid})
 
 
+def is_chunk(message: bytes) -> bool:
+    return message.startswith(b'{"t":"c"')
+
+
 def probe() -> bytes:
     return _line({"t": "q"})
 
@@ -90,6 +95,7 @@ class Reply:
     v: str | None = None
     why: str = ""
     mpy: int | None = None  # the .mpy version the board loads, when it says
+    n: int | None = None  # need: the most data bytes the board takes in one chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,4 +142,7 @@ def parse_reply(payload: bytes) -> Reply | Garbage:
         return Garbage("bad version")
     why = doc.get("why", "")
     why = _printable(why, MAX_WHY_CHARS) if isinstance(why, str) else ""
-    return Reply(st, uid, -1 if f is None else f, -1 if o is None else o, v, why, _int(doc, "mpy"))
+    n = _int(doc, "n")
+    if "n" in doc and doc["n"] is not None and (n is None or n < MIN_CHUNK_BYTES):
+        return Garbage("bad chunk size n")
+    return Reply(st, uid, -1 if f is None else f, -1 if o is None else o, v, why, _int(doc, "mpy"), n)

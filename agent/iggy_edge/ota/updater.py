@@ -34,61 +34,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
 
 from ..config import Settings
 from ..logs import RateLimitedLog
 from . import protocol as wire
-from .artifact import MAX_ARTIFACT_BYTES, Artifact
 from .metrics import OtaMetrics
+from .run import Limits, Run
 from .state import OtaState, Row
+
+__all__ = ["Limits", "Publish", "Updater"]
 
 log = logging.getLogger(__name__)
 
 ADMIT_INTERVAL_S: Final = 1.0
 PROGRESS_EVERY_S: Final = 1.0
+MAX_OFFLINE_TRACKED: Final = 10_000  # as devices.MAX_DEVICES
 # publish(topic, payload) at QoS 1 -> False when there is no connection now
 Publish = Callable[[str, bytes], bool]
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_concurrent: int = 4
-    resend_s: float = 5.0
-    resend_max_s: float = 60.0
-    stall_s: float = 900.0
-    switch_s: float = 900.0
-    max_bad_chunks: int = 50
-    max_offers: int = 30
-    reply_queue: int = 1000
-    tick_s: float = 0.25
-    max_artifact_bytes: int = MAX_ARTIFACT_BYTES
-
-
-@dataclass
-class Run:
-    row: Row
-    art: Artifact
-    state: str
-    done_bytes: int
-    now: float
-    pending: bytes | None = None  # what goes out again on a timeout
-    sent_at: float = 0.0  # monotonic; 0: due now
-    resends: int = 0
-    heard_at: float = 0.0
-    phase_since: float = 0.0
-    offers: int = 0
-    bad: int = 0
-    board_version: str | None = None
-    saved_at: float = 0.0  # monotonic time progress was last committed
-
-    def __post_init__(self) -> None:
-        self.heard_at = self.phase_since = self.now
-
-    @property
-    def uid(self) -> str:
-        return self.row.id
 
 
 class Updater:
@@ -116,6 +79,10 @@ class Updater:
         # One event at a time (a reply, a tick): a reply's state change and a
         # timeout's "failed" must not interleave across their awaits.
         self._lock = asyncio.Lock()
+        # Boards whose retained status says offline (oldest first, bounded):
+        # nothing goes to them until they are back -- their persistent session
+        # would queue every resend at the broker for their next connect.
+        self._offline: dict[str, None] = {}
 
     # -- what ingest and the link call (synchronous, never raising) ------------
 
@@ -131,11 +98,22 @@ class Updater:
             )
 
     def observe_ingest(self, topic: str, payload: bytes) -> None:
-        """A board's retained status: back ``online`` means it reconnected."""
+        """A board's retained status: ``offline`` holds what goes to it, back
+        ``online`` means it reconnected (the manifest goes again)."""
         device = self._topics.device_of_status(topic)
-        run = None if device is None else self._runs.get(device)
-        if run is not None and payload[:6].lower() == b"online":
-            self._resend_now(run, "reconnect")
+        if device is None:
+            return
+        status = payload[:7].lower()
+        if status.startswith(b"offline"):
+            self._offline.pop(device, None)
+            self._offline[device] = None
+            if len(self._offline) > MAX_OFFLINE_TRACKED:
+                del self._offline[next(iter(self._offline))]
+        elif status.startswith(b"online"):
+            self._offline.pop(device, None)
+            run = self._runs.get(device)
+            if run is not None:
+                self._resend_now(run, "reconnect")
 
     def link_connected(self) -> None:
         """Our own connection is (again) up: what was in flight may be lost."""
@@ -144,7 +122,7 @@ class Updater:
 
     def _resend_now(self, run: Run, why: str) -> None:
         if run.state in ("offered", "downloading"):
-            run.pending = self._manifest(run)
+            run.pending, run.in_flight = self._manifest(run), None
         run.sent_at, run.resends = 0.0, 0
         self._m.resends.labels(why).inc()
 
@@ -288,6 +266,8 @@ class Updater:
         return wire.manifest(run.uid, run.art.version, run.art.entries, run.art.mpy)
 
     async def _send(self, run: Run, payload: bytes, state: str | None = None) -> None:
+        if not wire.is_chunk(payload):
+            run.in_flight = None  # after a manifest the board's need is answered, whatever it is
         run.pending = payload
         run.sent_at = time.monotonic()
         if state is not None and state != run.state:
@@ -355,7 +335,14 @@ class Updater:
                         run, "failed", f"over {self.limits.max_bad_chunks} chunks arrived corrupted"
                     )
                     return
-            data = run.art.files[r.f][1][r.o : r.o + wire.CHUNK_BYTES]
+            if r.n is not None:
+                run.chunk_bytes = min(r.n, wire.CHUNK_BYTES)
+            data = run.art.files[r.f][1][r.o : r.o + run.chunk_bytes]
+            chunk = (r.f, r.o, len(data))
+            if st == "need" and chunk == run.in_flight and now - run.sent_at < self.limits.resend_s:
+                self._m.replies.labels("duplicate").inc()  # answered already: again only after the timeout
+                return
+            run.in_flight = chunk
             run.done_bytes = sum(len(d) for _, d in run.art.files[: r.f]) + r.o
             self._m.chunks.inc()
             self._m.chunk_bytes.inc(len(data))
@@ -384,13 +371,16 @@ class Updater:
 
     async def _check_time(self, run: Run, now: float) -> None:
         lim = self.limits
+        offline = run.row.device in self._offline  # the timers run; nothing is sent
         if run.state in ("switching", "trial"):
             if now - run.phase_since > lim.switch_s:
                 await self._finish(
                     run, "failed", f"no verdict from the board within {lim.switch_s:.0f}s of the switch"
                 )
                 return
-            if now - run.sent_at >= min(lim.resend_s * 2 ** (run.resends + 1), lim.resend_max_s):
+            if not offline and now - run.sent_at >= min(
+                lim.resend_s * 2 ** (run.resends + 1), lim.resend_max_s
+            ):
                 run.resends += 1
                 run.sent_at = now
                 self._publish(self._topics.ota(run.row.device), wire.probe())  # what state are you in?
@@ -404,11 +394,13 @@ class Updater:
             )
             return
         due = run.sent_at + min(lim.resend_s * 2**run.resends, lim.resend_max_s) if run.sent_at else 0.0
-        if run.pending is not None and now >= due:
+        if run.pending is not None and now >= due and not offline:
             if run.sent_at:
                 run.resends += 1
                 self._m.resends.labels("timeout").inc()
             run.sent_at = now
+            if not wire.is_chunk(run.pending):
+                run.in_flight = None
             self._publish(self._topics.ota(run.row.device), run.pending)
 
     async def _finish(self, run: Run, outcome: str, reason: str, version: str | None = None) -> None:
