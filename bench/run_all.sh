@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 QUICK=0
 [[ "${1:-}" == "--quick" ]] && QUICK=1
-for b in ingest drain memory disk dead_letter flood broker_crash command_latency failover receipts fleet device_tls; do
+for b in ingest drain memory disk dead_letter flood broker_crash command_latency failover receipts fleet device_tls ota; do
     echo "== $b" >&2
     "$PY" "bench/${b}_bench.py" "$@"
 done

@@ -15,12 +15,12 @@ import pytest
 from tests.support.broker import mosquitto_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ["ingest", "drain", "memory", "disk", "dead_letter", "flood", "broker_crash", "fleet"]
+BENCHES = ["ingest", "drain", "memory", "disk", "dead_letter", "flood", "broker_crash", "fleet", "ota"]
 
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_bench_quick_prints_json_figures(name: str) -> None:
-    if name in ("ingest", "memory", "flood", "broker_crash") and mosquitto_binary() is None:
+    if name in ("ingest", "memory", "flood", "broker_crash", "ota") and mosquitto_binary() is None:
         pytest.fail("mosquitto is not installed: run .ci/setup")
     extra = ["--no-iggy"] if name == "drain" else []
     out = subprocess.run(

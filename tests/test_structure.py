@@ -22,7 +22,7 @@ MAY_IMPORT_RUNTIME = {"runtime.py", "demo.py"}
 # A device topic spelled as a string literal ("edge/...", ".../down/receipt";
 # messages with an example in them have spaces and are left alone);
 # topics.py is the one home of the layout.
-SPELLED_TOPIC = re.compile(r"^edge/|/(down/(cmd|config|receipt)|up/ack)$")
+SPELLED_TOPIC = re.compile(r"^edge/|/(down/(cmd|config|receipt|ota)|up/(ack|ota))$")
 
 
 def _modules() -> list[Path]:

@@ -4,9 +4,10 @@
 each committed message and keeps, per device, when it was last heard from,
 its readings and bytes since the agent started, its current rate, its
 retained status (``online`` / ``offline`` on ``edge/<device>/status``, and
-since when) and the versions it reports in its diag (``lib``, ``fw``, when
-the board sends them).  `iggy-edge device list`, ``/devices`` on the HTTP
-endpoint and the dashboard show it, with what the buffer, the receipts and
+since when) and the versions it reports in its diag (``lib``, ``fw``, and
+``app_v``: the app version over-the-air updates installed, when the board
+sends them).  `iggy-edge device list`, ``/devices`` on the HTTP endpoint and
+the dashboard show it, with what the buffer, the receipts and
 the return path know of the same device (`DeviceTable.rows`).
 
 Cost on ingest: one prefix check, one ``str.find`` and a few integer
@@ -56,6 +57,7 @@ class _Device:
     status_since: float | None = None
     lib: str = ""
     fw: str = ""
+    app_v: str = ""  # the app version over-the-air updates installed (ota/)
 
 
 class DeviceTable:
@@ -162,7 +164,7 @@ class DeviceTable:
             return
         if not isinstance(doc, dict):
             return
-        for key in ("lib", "fw"):
+        for key in ("lib", "fw", "app_v"):
             value = doc.get(key)
             if isinstance(value, str) and value.isprintable():
                 setattr(dev, key, value[:MAX_VERSION_CHARS])
@@ -187,6 +189,7 @@ class DeviceTable:
                     "status_since": None if d.status_since is None else round(d.status_since, 3),
                     "lib": d.lib or None,
                     "fw": d.fw or None,
+                    "app_v": d.app_v or None,
                 }
             )
         return out

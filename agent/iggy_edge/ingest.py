@@ -36,6 +36,9 @@
   to the `copy_observers` (its receipt may have been lost).  Messages
   without a device sequence are stored again (at-least-once); see
   docs/consumers.md.
+* Board updates: a message on a board's ``up/ota`` (topics.py) is not
+  telemetry: it goes to the `ota_observers` (the updater, ota/) and is
+  acknowledged at once, never stored.
 * Lost session: mqtt_session.py tells when the broker forgot our session.
 * Reconnect: the session loop deliver uses too (mqttconn.keep_session),
   capped full-jitter exponential backoff (gmqtt's built-in reconnect uses a
@@ -102,6 +105,10 @@ class Ingest:
         # Called (quick, must not raise) with (topic, payload) of each message
         # recognised as a copy of a committed one (acknowledged, not stored).
         self.copy_observers: list[Callable[[str, bytes], None]] = []
+        # Called (quick, must not raise) with (device, payload) of each update
+        # reply on ``up/ota``: the updater's (ota/), never stored as a reading.
+        self.ota_observers: list[Callable[[str, bytes], None]] = []
+        self._topics = settings.topics
         self._session_present = False
         self._memory = SessionMemory(settings, outbox, metrics)
         self._drained = asyncio.Event()  # stop(): in-flight handlers are done
@@ -300,6 +307,10 @@ class Ingest:
         retain = bool(properties.get("retain"))
         self._rx[qos] += 1
         self._rx_bytes += len(payload)
+        if isinstance(topic, str) and (ota := self._topics.device_of_ota_reply(topic)) is not None:
+            for observe in self.ota_observers:  # acknowledged at once, not telemetry
+                observe(ota, payload)
+            return None
         route = self._router.route(topic, len(payload))
         if qos == 0 and (
             self._work.handlers >= QOS0_PENDING_LIMIT or self._outbox.pending_bytes >= QOS0_PENDING_BYTES

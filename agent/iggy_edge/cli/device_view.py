@@ -78,15 +78,16 @@ def render(doc: dict[str, Any], *, device: str | None = None) -> str:
     lines = [
         f"{len(rows)} device(s), {stale} stale (silent over {_ago(doc['stale_after_s'])}), stalest first",
         f"{'DEVICE':<24} {'STATUS':<8} {'SILENT':>6} {'READINGS':>9} {'RATE/S':>7} {'BUFFERED':>9} "
-        f"{'SHARE':>6} {'UNRCPT':>6}  {'LAST COMMAND':<20} DEAD LETTERS",
+        f"{'SHARE':>6} {'UNRCPT':>6} {'APP':<12} {'LAST COMMAND':<20} DEAD LETTERS",
     ]
     for r in rows:
         share = r.get("buffer_share")
         lines.append(
             f"{printable(r['device']):<24} {printable(r['status'] or '-'):<8} {_ago(r['silent_s']):>6} "
             f"{r['readings']:>9} {r['rate_per_s']:>7.2f} {r.get('buffered', 0):>9} "
-            f"{'-' if share is None else f'{100 * share:.0f}%':>6} {_ago(r.get('unreceipted_age_s')):>6}  "
-            f"{_command(r):<20} {_dead(r)}" + ("  STALE" if r["stale"] else "")
+            f"{'-' if share is None else f'{100 * share:.0f}%':>6} {_ago(r.get('unreceipted_age_s')):>6} "
+            f"{printable(r.get('app_v') or '-'):<12} {_command(r):<20} {_dead(r)}"
+            + ("  STALE" if r["stale"] else "")
         )
     return "\n".join(lines)
 
@@ -110,6 +111,7 @@ def _detail(r: dict[str, Any]) -> str:
         ("dead letters", _dead(r)),
         ("last command", _command(r)),
         ("version", version),
+        ("app version", printable(r.get("app_v") or "-")),
     ]
     return "\n".join(f"{k:<13} {v}" for k, v in fields)
 

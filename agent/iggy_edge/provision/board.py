@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .layout import CLEAR_SLOTS, SLOT, app_name
 from .sources import LIBRARY_PACKAGE
 
 # what the board runs to say what it is (also the first step of provisioning)
@@ -86,21 +87,25 @@ _REMOVE = (
 
 def remove_old_snippet(files: dict[str, Path]) -> str:
     """The board-side code that deletes the previous library and both forms
-    (.py, .mpy) of every example module about to be copied."""
+    (.py, .mpy) of every example module about to be copied (at the root,
+    where a board before over-the-air updates has them); with the slot
+    layout (layout.py) also what earlier updates left."""
     names = []
     for board_path in sorted(files):
-        if "/" in board_path or board_path == "main.py":
+        name = app_name(board_path)
+        if name is None or name == "main.py":
             continue
-        stem, dot, ext = board_path.rpartition(".")
+        stem, dot, ext = name.rpartition(".")
         if dot and ext in ("py", "mpy"):
             names += [f"{stem}.py", f"{stem}.mpy"]
-    return _REMOVE.format(pkg=LIBRARY_PACKAGE, names=names)
+    slots = any(p.startswith(SLOT + "/") for p in files)
+    return _REMOVE.format(pkg=LIBRARY_PACKAGE, names=names) + (CLEAR_SLOTS if slots else "")
 
 
 # {pkg}: LIBRARY_PACKAGE
 MKDIRS = (
     "import os\n"
-    "for d in ('lib', 'lib/{pkg}'):\n"
+    "for d in ('lib', 'lib/{pkg}', 's', 's/a'):\n"
     "    try:\n"
     "        os.mkdir(d)\n"
     "    except OSError:\n"

@@ -20,6 +20,7 @@ from .. import ca_paths
 from . import credentials as creds
 from .board import Probe
 from .errors import ProvisionError
+from .layout import LOADER, SLOT, STATE_FILE, app_path, default_version, has_loader, ota_state
 from .sources import LIBRARY_PACKAGE, examples, tool
 
 BOARD_CA_FILE = "ca.der"  # the gateway CA certificate on the board (DER)
@@ -77,9 +78,21 @@ def stage(
 
     for src in sorted(lib_src.glob("*.py")):
         put(src, f"lib/{LIBRARY_PACKAGE}/{src.name}", compile_it=mpy)
+    slots = has_loader(root)  # the over-the-air layout (layout.py)
     for src in sorted(ex_src.glob("*.py")):
-        # main.py stays source: MicroPython only runs main.py / boot.py as such
-        put(src, src.name, compile_it=mpy and src.name != "main.py")
+        # main.py stays source: MicroPython only runs main.py / boot.py as
+        # such (and the loader imports the slot's main)
+        put(src, app_path(src.name, slots=slots), compile_it=mpy and src.name != "main.py")
+    if slots:
+        dst = staging / "main.py"
+        dst.write_text(LOADER)
+        files["main.py"] = dst
+        app = sorted(
+            (p[len(SLOT) + 1 :], f.read_bytes()) for p, f in files.items() if p.startswith(SLOT + "/")
+        )
+        dst = staging / STATE_FILE
+        dst.write_bytes(ota_state(default_version(example, app)))
+        files[STATE_FILE] = dst
     for name, doc in (("config.json", config), ("config.local.json", secrets)):
         dst = staging / name
         dst.write_text(json.dumps(doc, indent=2) + "\n")
