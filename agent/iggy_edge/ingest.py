@@ -62,8 +62,9 @@ from .logs import RateLimitedLog
 from .metrics import Metrics
 from .mqtt_session import SessionMemory
 from .mqttconn import close, connect, keep_session, set_credentials, wait_first
+from .records import Route
 from .routing import Rejected, Router
-from .store import Incoming, Outbox, StoreError, device_seq_of, redelivery_key
+from .store import Outbox, StoreError, device_seq_of
 from .timeouts import wait_for
 
 log = logging.getLogger(__name__)
@@ -290,17 +291,18 @@ class Ingest:
     # -- messages -------------------------------------------------------
 
     def _accept(
-        self, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
+        self, topic: str | bytes, payload: bytes, qos: int, dup: object, retain: int
     ) -> asyncio.Future[Any] | None:
         """Route a message and hand it to the outbox, synchronously, so arrival
         order is outbox order.  Returns what must complete before the message
         is acknowledged (its group commit, or a dead-letter task), or None when
-        it may be acknowledged at once (a QoS0 drop, a known redelivery)."""
+        it may be acknowledged at once (a QoS0 drop, a known redelivery).
+        `retain` is 0 or 1."""
         received_us = time.time_ns() // 1000
-        retain = bool(properties.get("retain"))
+        n = len(payload)
         self._rx[qos] += 1
-        self._rx_bytes += len(payload)
-        route = self._router.route(topic, len(payload))
+        self._rx_bytes += n
+        route = self._router.route(topic, n)
         if qos == 0 and (
             self._work.handlers >= QOS0_PENDING_LIMIT or self._outbox.pending_bytes >= QOS0_PENDING_BYTES
         ):
@@ -313,45 +315,45 @@ class Ingest:
                 self._outbox.pending_bytes,
             )
             return None
-        if not isinstance(route, Rejected):
+        if isinstance(route, Route):
             assert isinstance(topic, str)  # a bytes topic never routes
-            route = self._outbox.admit(route, topic) or route  # per-device bounds (store/devices.py)
-        if isinstance(route, Rejected):
-            self._flush_counts()
-            done = self._outbox.enqueue_dead_letter(
-                mqtt_topic=topic,
-                payload=payload,
-                qos=qos,
-                retain=retain,
-                reason=route.reason.value,
-                detail=route.detail,
-                received_us=received_us,
+            # Admission (per-device bounds), redelivery recognition (the
+            # store's: by topic, device seq, payload CRC) and the open group,
+            # in one call.
+            dseq = device_seq_of(payload)
+            done = self._outbox.take(
+                route, topic, qos, retain, received_us, payload, dseq, self.recognise_resends or bool(dup)
             )
-            self._work.dead_groups.add(done)
-            return done
-        assert isinstance(topic, str)  # a bytes topic never routes
-        dseq = device_seq_of(payload)
-        key = redelivery_key(topic, qos, dseq, payload)
-        if key is None or not (self.recognise_resends or properties.get("dup")):
-            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
-        copy = self._outbox.copy_of(key)  # redelivery recognition: the store's
-        if copy is False:
-            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
-        self._metrics.ingest_known_copies.inc()
-        if copy is not True:
-            # Its original still waits for its group commit (a device re-sent
-            # faster than a slow commit): acknowledged with that commit.
-            return copy
+            if done is True:
+                self._copy(topic, payload, dseq, dup)
+                return None
+            if not isinstance(done, Rejected):
+                return done
+            route = done
+        self._flush_counts()
+        dead = self._outbox.enqueue_dead_letter(
+            mqtt_topic=topic,
+            payload=payload,
+            qos=qos,
+            retain=bool(retain),
+            reason=route.reason.value,
+            detail=route.detail,
+            received_us=received_us,
+        )
+        self._work.dead_groups.add(dead)
+        return dead
+
+    def _copy(self, topic: str, payload: bytes, dseq: int | None, dup: object) -> None:
+        """A copy of a committed message: acknowledged, not stored again."""
         self._flush_counts()
         log.log(
-            logging.INFO if properties.get("dup") else logging.DEBUG,
-            "message on %s (device seq %d) was already committed: not stored twice",
+            logging.INFO if dup else logging.DEBUG,
+            "message on %s (device seq %s) was already committed: not stored twice",
             topic,
             dseq,
         )
         for observe in self.copy_observers:
             observe(topic, payload)
-        return None
 
     def _flush_counts(self) -> None:
         for qos, n in enumerate(self._rx):
@@ -382,11 +384,14 @@ class Ingest:
             topic: str | bytes = topic_b.decode()
         except UnicodeDecodeError:
             topic = topic_b
-        properties = {"dup": (cmd >> 3) & 1, "retain": cmd & 1}
-        if qos == 0:
-            self._on_message_qos0(None, topic, payload, 0, properties)
+        done = self._accept(topic, payload, qos, cmd & 8, cmd & 1)  # the DUP and RETAIN bits
+        if done is None:
+            if qos:
+                hooks.write(conn, codec.ack(ACK_CMD[qos], mid))
+        elif qos:
+            self._work.after(done, (conn, ACK_CMD[qos], mid, topic, payload))
         else:
-            self.parsed_publish(conn, qos, mid, topic, payload, properties)
+            self._work.after(done, (None, 0, 0, topic, payload))
         return True
 
     def parsed_publish(
@@ -398,7 +403,7 @@ class Ingest:
         payload: bytes,
         props: dict[str, Any],
     ) -> None:
-        done = self._accept(topic, payload, qos, props)
+        done = self._accept(topic, payload, qos, props.get("dup"), int(bool(props.get("retain"))))
         if done is None:
             hooks.write(conn, codec.ack(ACK_CMD[qos], mid))
             return
@@ -407,6 +412,6 @@ class Ingest:
     def _on_message_qos0(
         self, client: Any, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
     ) -> None:
-        done = self._accept(topic, payload, qos, properties)
+        done = self._accept(topic, payload, qos, properties.get("dup"), int(bool(properties.get("retain"))))
         if done is not None:
             self._work.after(done, (None, 0, 0, topic, payload))
