@@ -385,13 +385,11 @@ class Ingest:
         except UnicodeDecodeError:
             topic = topic_b
         done = self._accept(topic, payload, qos, cmd & 8, cmd & 1)  # the DUP and RETAIN bits
+        ack = codec.ack(ACK_CMD[qos], mid) if qos else b""
         if done is None:
-            if qos:
-                hooks.write(conn, codec.ack(ACK_CMD[qos], mid))
-        elif qos:
-            self._work.after(done, (conn, ACK_CMD[qos], mid, topic, payload))
+            hooks.write(conn, ack)
         else:
-            self._work.after(done, (None, 0, 0, topic, payload))
+            self._work.after(done, conn, ack, (topic, payload))
         return True
 
     def parsed_publish(
@@ -404,14 +402,15 @@ class Ingest:
         props: dict[str, Any],
     ) -> None:
         done = self._accept(topic, payload, qos, props.get("dup"), int(bool(props.get("retain"))))
+        ack = codec.ack(ACK_CMD[qos], mid)
         if done is None:
-            hooks.write(conn, codec.ack(ACK_CMD[qos], mid))
+            hooks.write(conn, ack)
             return
-        self._work.after(done, (conn, ACK_CMD[qos], mid, topic, payload))
+        self._work.after(done, conn, ack, (topic, payload))
 
     def _on_message_qos0(
         self, client: Any, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
     ) -> None:
         done = self._accept(topic, payload, qos, properties.get("dup"), int(bool(properties.get("retain"))))
         if done is not None:
-            self._work.after(done, (None, 0, 0, topic, payload))
+            self._work.after(done, None, b"", (topic, payload))

@@ -167,7 +167,19 @@ class GroupCommit(Part):
             elif check:
                 self._metrics.ingest_known_copies.inc()
                 return True if known is None or known.done() else known
-        self._add(group, (route, mqtt_topic, qos | retain << 2, received_us, device_seq, payload, key))
+        # (what _add does, inline: a call less per message)
+        group.items.append((route, mqtt_topic, qos | retain << 2, received_us, device_seq, payload, key))
+        if group.sources.get(mqtt_topic) is not route:
+            self._reserve(group, route, mqtt_topic)
+        n = len(payload)
+        group.nbytes += n
+        self._handover.pending_bytes += n
+        backlog = self._backlog
+        if n > backlog.payload_high:  # noqa: PLR1730 - max() is one more call per message
+            backlog.payload_high = n
+        count = len(group.items)
+        if count == 1 or count == self._settings.commit_max_records:  # noqa: PLR1714 - see _add
+            self._handover.wakeup.set()
         return done
 
     def submit(self, item: Incoming) -> asyncio.Future[None]:
@@ -192,17 +204,22 @@ class GroupCommit(Part):
         group.items.append(item)
         route, topic = item[0], item[1]
         if group.sources.get(topic) is not route:
-            group.sources[topic] = route
-            group.reserved.append((route.key, topic))
-            self._devices.reserve(route.key, topic)
+            self._reserve(group, route, topic)
         n = len(item[5])
         group.nbytes += n
         self._handover.pending_bytes += n
         self._backlog.payload_high = max(self._backlog.payload_high, n)
         count = len(group.items)
-        # (== not >=: the committer needs one wake-up, not one per record past the limit)
-        if count in (1, self._settings.commit_max_records):
+        # == not >= (and no tuple built per message for `in`): the committer
+        # needs one wake-up, not one per record past the limit
+        if count == 1 or count == self._settings.commit_max_records:  # noqa: PLR1714
             self._handover.wakeup.set()
+
+    def _reserve(self, group: _Group, route: Route, topic: str) -> None:
+        """The group's first record of this source (`Devices.reserve`)."""
+        group.sources[topic] = route
+        group.reserved.append((route.key, topic))
+        self._devices.reserve(route.key, topic)
 
     @property
     def pending_count(self) -> int:
