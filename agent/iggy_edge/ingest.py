@@ -303,7 +303,10 @@ class Ingest:
         n = len(payload)
         self._rx[qos] += 1
         self._rx_bytes += n
-        route = self._router.route(topic, n)
+        router = self._router
+        route: Route | Rejected | None = router.routes.get(topic)  # the topics that route (routing.py)
+        if route is None or not 0 < n <= router.max_payload:
+            route = router.route(topic, n)
         if qos == 0 and (
             self._work.handlers >= QOS0_PENDING_LIMIT or self._outbox.pending_bytes >= QOS0_PENDING_BYTES
         ):

@@ -149,7 +149,8 @@ class GroupCommit(Part):
         of a committed record (acknowledge it now, nothing is stored;
         counted), or why it is refused (a dead letter)."""
         group = self._pending
-        if group.sources.get(mqtt_topic) is not route:
+        reserved = group.sources.get(mqtt_topic) is route
+        if not reserved:
             rejected = self._devices.admit(route, mqtt_topic)
             if rejected is not None:
                 return rejected
@@ -169,7 +170,7 @@ class GroupCommit(Part):
                 return True if known is None or known.done() else known
         # (what _add does, inline: a call less per message)
         group.items.append((route, mqtt_topic, qos | retain << 2, received_us, device_seq, payload, key))
-        if group.sources.get(mqtt_topic) is not route:
+        if not reserved:
             self._reserve(group, route, mqtt_topic)
         n = len(payload)
         group.nbytes += n
