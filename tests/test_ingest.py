@@ -19,7 +19,8 @@ from iggy_edge.buffer_admin import read_dead_letters
 from iggy_edge.records import split_message_id
 from iggy_edge.routing import MAX_TOPIC_BYTES
 from iggy_edge.runtime import Agent
-from iggy_edge.store import Incoming, device_seq_of
+from iggy_edge.store import device_seq_of
+from iggy_edge.store.commit import Item
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.agent import make_settings, running_agent
@@ -55,9 +56,9 @@ async def test_qos1_is_acknowledged_only_after_commit(tmp_path: Path, broker: Br
     settings = make_settings(tmp_path, broker)
     n = 20
     release = asyncio.Event()
-    held: list[Incoming] = []
+    held: list[Item] = []
 
-    async def held_then_failed(items: list[Incoming]) -> None:
+    async def held_then_failed(items: list[Item]) -> None:
         held.extend(items)
         await release.wait()
         raise sqlite3.OperationalError("simulated: the process died before this commit")
@@ -201,7 +202,7 @@ async def test_redelivery_of_a_committed_message_is_not_stored_twice(tmp_path: P
         real_insert = outbox.commit._insert  # noqa: SLF001 - fault at the SQL seam
         crashed = asyncio.Event()
 
-        async def commit_then_die(items: list[Incoming]) -> None:
+        async def commit_then_die(items: list[Item]) -> None:
             await real_insert(items)
             if not crashed.is_set():
                 crashed.set()
@@ -241,7 +242,7 @@ async def test_ingest_recovers_in_the_same_process_when_the_store_works_again(
         assert agent.outbox is not None
         real_insert = agent.outbox.commit._insert  # noqa: SLF001 - fault at the SQL seam
 
-        async def flaky_insert(items: list[Incoming]) -> None:
+        async def flaky_insert(items: list[Item]) -> None:
             if failing:
                 raise sqlite3.OperationalError("simulated: database or disk is full")
             await real_insert(items)

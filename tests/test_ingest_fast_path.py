@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import gmqtt
+from gmqtt.mqtt.protocol import MQTTProtocol
 from iggy_edge import gmqtt_hooks, mqtt_codec
 from iggy_edge.runtime import Agent
 
@@ -37,7 +40,7 @@ def live_client(agent: Agent) -> Any:
 async def test_hooks_are_in_place_on_the_live_session(tmp_path: Path, broker: Broker) -> None:
     async with running_agent(make_settings(tmp_path, broker)) as agent:
         assert gmqtt_hooks.installed(live_client(agent)) == dict.fromkeys(
-            ("reconnect", "publish", "qos1", "qos2", "shortcut", "throttle"), True
+            ("reconnect", "publish", "qos1", "qos2", "shortcut", "throttle", "framing"), True
         )
 
 
@@ -144,3 +147,82 @@ async def test_many_qos1_messages_acknowledged_once_committed(tmp_path: Path, br
         assert agent.metrics.value("iggy_edge_ingest_payload_bytes_total") == sum(
             len(reading(i)) for i in range(3000)
         )
+
+
+class _Recorder:
+    """A PUBLISH sink (gmqtt_hooks.PublishSink) that keeps what it gets."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, bytes]] = []
+
+    def raw_publish(self, conn: Any, cmd: int, body: bytes, v5: bool) -> bool:
+        self.got.append((cmd, body))
+        return True
+
+    def parsed_publish(self, *args: Any) -> None:
+        pass
+
+    def hook_error(self, exc: Exception) -> None:
+        raise AssertionError(exc)
+
+
+def _gmqtt_framing(stream: bytes, chunks: list[int]) -> tuple[list[tuple[int, bytes]], list[int]]:
+    """What gmqtt's own `_read_packet` delivers of `stream` read in `chunks`."""
+    got: list[tuple[int, bytes]] = []
+    fake = cast(Any, type("P", (), {}))()
+    delivered = type("C", (), {"put_package": lambda _s, pkg: got.append((pkg.cmd, pkg.data))})
+    fake._connection = delivered()  # noqa: SLF001 - where gmqtt's framing delivers
+    return got, _feed(lambda buf: MQTTProtocol._read_packet(fake, buf), stream, chunks)  # noqa: SLF001
+
+
+def _feed(read: Any, stream: bytes, chunks: list[int]) -> list[int]:
+    """gmqtt's read loop: append a chunk, frame, keep the rest."""
+    buf, pos, taken = b"", 0, []
+    for n in chunks:
+        buf += stream[pos : pos + n]
+        pos += n
+        size = read(buf)
+        taken.append(size)
+        if size == -1:
+            break
+        buf = buf[size:]
+    return taken
+
+
+async def test_framing_hands_publishes_over_as_gmqtt_frames_them(broker: Broker) -> None:
+    """The connection hook frames the socket's bytes itself (no Package per
+    PUBLISH): the same packets, bodies and consumed sizes as gmqtt's own
+    `_read_packet`, for every way the stream is cut into reads, long
+    Remaining Lengths and a malformed one included."""
+    sink = _Recorder()
+    client = gmqtt.Client("canary-framing")
+    gmqtt_hooks.install_publish_hooks(client, sink)
+    await client.connect(broker.host, broker.port)
+    try:
+        gmqtt_hooks.install_connection_hooks(client, lambda: None)
+        protocol = vars(client)["_package_handler"].current_connection._protocol  # noqa: SLF001
+        assert gmqtt_hooks.installed(client)["framing"]
+        packets = [
+            mqtt_codec.publish(f"edge/d{i}/up/env", b"x" * size, qos=i % 2, mid=i + 1)
+            for i, size in enumerate((1, 60, 130, 300, 20_000, 0, 70_000))
+        ]
+        stream = b"".join(packets)
+        rng = random.Random(7)
+        for _ in range(30):
+            chunks = []
+            left = len(stream)
+            while left > 0:
+                chunks.append(min(left, rng.choice((1, 2, 3, 50, 1000, 65536))))
+                left -= chunks[-1]
+            sink.got.clear()
+            expected, expected_sizes = _gmqtt_framing(stream, chunks)
+            assert _feed(protocol._read_packet, stream, chunks) == expected_sizes  # noqa: SLF001
+            assert sink.got == expected
+            assert len(sink.got) == len(packets)
+        # a Remaining Length that never ends: gmqtt waits for more (it gives
+        # -1 only once 256 MB are in), and so does the hook
+        endless = b"\x30\xff\xff\xff\xff\x01" + b"x" * 10
+        expected_sizes = _gmqtt_framing(endless, [len(endless)])[1]
+        assert _feed(protocol._read_packet, endless, [len(endless)]) == expected_sizes == [0]  # noqa: SLF001
+    finally:
+        await client.disconnect()

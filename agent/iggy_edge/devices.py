@@ -10,9 +10,10 @@ sends them).  `iggy-edge device list`, ``/devices`` on the HTTP endpoint and
 the dashboard show it, with what the buffer, the receipts and
 the return path know of the same device (`DeviceTable.rows`).
 
-Cost on ingest: one prefix check, one ``str.find`` and a few integer
-updates per message; the status and diag payloads are parsed only on those
-topics.
+Cost on ingest: one dict lookup per message (`observe_group` gathers a
+group commit's messages by topic), then per topic and group one prefix
+check, one ``str.find`` and a few integer updates; the status and diag
+payloads are parsed only on those topics.
 
 Bounded: at most `MAX_DEVICES` devices are kept.  When a new one would pass
 the bound, the stalest tenth is forgotten at once (so the scan is paid once
@@ -77,38 +78,43 @@ class DeviceTable:
         self.observe_group(((topic, payload),))
 
     def observe_group(self, messages: Sequence[tuple[str, bytes]]) -> None:
-        """The messages of one group commit (ingest's group observer): each
-        topic is taken apart once per group, not once per message."""
+        """The messages of one group commit (ingest's group observer),
+        gathered by topic first (one dict lookup a message): each topic is
+        taken apart, and its device's counts updated, once per group."""
         now = time.time()
-        parsed: dict[str, tuple[_Device, str] | None] = {}
+        by_topic: dict[str, list[bytes]] = {}
         for topic, payload in messages:
-            if topic in parsed:
-                hit = parsed[topic]
+            held = by_topic.get(topic)
+            if held is None:
+                by_topic[topic] = [payload]
             else:
-                hit = parsed[topic] = self._device_of(topic, now, parsed)
+                held.append(payload)
+        for topic, payloads in by_topic.items():
+            hit = self._device_of(topic, now)
             if hit is None:
                 continue
             dev, rest = hit
             dev.last_seen = now
             if rest == "status":
-                self._status(dev, payload, now)
+                for payload in payloads:  # in arrival order: the last one holds
+                    self._status(dev, payload, now)
                 continue
             if rest == "up/ack":
                 continue  # a command's ack, not a reading (the return path counts it)
-            dev.readings += 1
-            dev.bytes += len(payload)
+            n = len(payloads)
+            dev.readings += n
+            dev.bytes += sum(map(len, payloads))
             if now - dev.window_start >= RATE_WINDOW_S:
                 elapsed = now - dev.window_start
                 # a window long past says nothing of the current rate
                 dev.rate = dev.window_count / elapsed if elapsed < 2 * RATE_WINDOW_S else 0.0
                 dev.window_start, dev.window_count = now, 0
-            dev.window_count += 1
+            dev.window_count += n
             if rest == "up/diag":
-                self._diag(dev, payload)
+                for payload in payloads:
+                    self._diag(dev, payload)
 
-    def _device_of(
-        self, topic: str, now: float, parsed: dict[str, tuple[_Device, str] | None]
-    ) -> tuple[_Device, str] | None:
+    def _device_of(self, topic: str, now: float) -> tuple[_Device, str] | None:
         """The device a topic is of, and the rest of the topic after it."""
         prefix = self._prefix
         if not topic.startswith(prefix):
@@ -125,10 +131,7 @@ class DeviceTable:
         if dev is None:
             if not is_device_id(dev_id):
                 return None  # not a device a person could look up; ingest dead-letters or stores it
-            full = len(self._devices) >= self._max
             dev = self._new(dev_id, now)
-            if full:
-                parsed.clear()  # devices were forgotten: resolve the others again
         return dev, rest
 
     def _new(self, dev_id: str, now: float) -> _Device:

@@ -60,13 +60,14 @@ from . import gmqtt_hooks as hooks
 from . import heap
 from . import mqtt_codec as codec
 from .config import Settings
-from .ingest_acks import ACK_CMD, READ_PAUSE_BYTES, InFlight
+from .ingest_acks import ACK_CMD, READ_PAUSE_BYTES, InFlight, spare_full_collections
 from .logs import RateLimitedLog
 from .metrics import Metrics
 from .mqtt_session import SessionMemory
 from .mqttconn import close, connect, keep_session, set_credentials, wait_first
+from .records import Route
 from .routing import Rejected, Router
-from .store import Incoming, Outbox, StoreError, device_seq_of, redelivery_key
+from .store import Outbox, StoreError, device_seq_of
 from .timeouts import wait_for
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class Ingest:
         self._ended.set()
         hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
         heap.fix_mmap_threshold()  # large payloads give their memory back (heap.py)
+        spare_full_collections()  # ingest_acks.py: what the groups in flight cost the collector
 
     def use_router(self, router: Router) -> None:
         """Route from the next message on with `router` (a reload of the routes)."""
@@ -297,21 +299,25 @@ class Ingest:
     # -- messages -------------------------------------------------------
 
     def _accept(
-        self, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
+        self, topic: str | bytes, payload: bytes, qos: int, dup: object, retain: int
     ) -> asyncio.Future[Any] | None:
         """Route a message and hand it to the outbox, synchronously, so arrival
         order is outbox order.  Returns what must complete before the message
         is acknowledged (its group commit, or a dead-letter task), or None when
-        it may be acknowledged at once (a QoS0 drop, a known redelivery)."""
+        it may be acknowledged at once (a QoS0 drop, a known redelivery).
+        `retain` is 0 or 1."""
         received_us = time.time_ns() // 1000
-        retain = bool(properties.get("retain"))
+        n = len(payload)
         self._rx[qos] += 1
-        self._rx_bytes += len(payload)
+        self._rx_bytes += n
         if isinstance(topic, str) and (ota := self._topics.device_of_ota_reply(topic)) is not None:
             for observe in self.ota_observers:  # acknowledged at once, not telemetry
                 observe(ota, payload)
             return None
-        route = self._router.route(topic, len(payload))
+        router = self._router
+        route: Route | Rejected | None = router.routes.get(topic)  # the topics that route (routing.py)
+        if route is None or not 0 < n <= router.max_payload:
+            route = router.route(topic, n)
         if qos == 0 and (
             self._work.handlers >= QOS0_PENDING_LIMIT or self._outbox.pending_bytes >= QOS0_PENDING_BYTES
         ):
@@ -324,45 +330,45 @@ class Ingest:
                 self._outbox.pending_bytes,
             )
             return None
-        if not isinstance(route, Rejected):
+        if isinstance(route, Route):
             assert isinstance(topic, str)  # a bytes topic never routes
-            route = self._outbox.admit(route, topic) or route  # per-device bounds (store/devices.py)
-        if isinstance(route, Rejected):
-            self._flush_counts()
-            done = self._outbox.enqueue_dead_letter(
-                mqtt_topic=topic,
-                payload=payload,
-                qos=qos,
-                retain=retain,
-                reason=route.reason.value,
-                detail=route.detail,
-                received_us=received_us,
+            # Admission (per-device bounds), redelivery recognition (the
+            # store's: by topic, device seq, payload CRC) and the open group,
+            # in one call.
+            dseq = device_seq_of(payload)
+            done = self._outbox.take(
+                route, topic, qos, retain, received_us, payload, dseq, self.recognise_resends or bool(dup)
             )
-            self._work.dead_groups.add(done)
-            return done
-        assert isinstance(topic, str)  # a bytes topic never routes
-        dseq = device_seq_of(payload)
-        key = redelivery_key(topic, qos, dseq, payload)
-        if key is None or not (self.recognise_resends or properties.get("dup")):
-            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
-        copy = self._outbox.copy_of(key)  # redelivery recognition: the store's
-        if copy is False:
-            return self._outbox.submit(Incoming(route, topic, qos, retain, received_us, payload, dseq, key))
-        self._metrics.ingest_known_copies.inc()
-        if copy is not True:
-            # Its original still waits for its group commit (a device re-sent
-            # faster than a slow commit): acknowledged with that commit.
-            return copy
+            if done is True:
+                self._copy(topic, payload, dseq, dup)
+                return None
+            if not isinstance(done, Rejected):
+                return done
+            route = done
+        self._flush_counts()
+        dead = self._outbox.enqueue_dead_letter(
+            mqtt_topic=topic,
+            payload=payload,
+            qos=qos,
+            retain=bool(retain),
+            reason=route.reason.value,
+            detail=route.detail,
+            received_us=received_us,
+        )
+        self._work.dead_groups.add(dead)
+        return dead
+
+    def _copy(self, topic: str, payload: bytes, dseq: int | None, dup: object) -> None:
+        """A copy of a committed message: acknowledged, not stored again."""
         self._flush_counts()
         log.log(
-            logging.INFO if properties.get("dup") else logging.DEBUG,
-            "message on %s (device seq %d) was already committed: not stored twice",
+            logging.INFO if dup else logging.DEBUG,
+            "message on %s (device seq %s) was already committed: not stored twice",
             topic,
             dseq,
         )
         for observe in self.copy_observers:
             observe(topic, payload)
-        return None
 
     def _flush_counts(self) -> None:
         for qos, n in enumerate(self._rx):
@@ -393,11 +399,12 @@ class Ingest:
             topic: str | bytes = topic_b.decode()
         except UnicodeDecodeError:
             topic = topic_b
-        properties = {"dup": (cmd >> 3) & 1, "retain": cmd & 1}
-        if qos == 0:
-            self._on_message_qos0(None, topic, payload, 0, properties)
+        done = self._accept(topic, payload, qos, cmd & 8, cmd & 1)  # the DUP and RETAIN bits
+        ack = codec.ack(ACK_CMD[qos], mid) if qos else b""
+        if done is None:
+            hooks.write(conn, ack)
         else:
-            self.parsed_publish(conn, qos, mid, topic, payload, properties)
+            self._work.after(done, conn, ack, (topic, payload))
         return True
 
     def parsed_publish(
@@ -409,15 +416,16 @@ class Ingest:
         payload: bytes,
         props: dict[str, Any],
     ) -> None:
-        done = self._accept(topic, payload, qos, props)
+        done = self._accept(topic, payload, qos, props.get("dup"), int(bool(props.get("retain"))))
+        ack = codec.ack(ACK_CMD[qos], mid)
         if done is None:
-            hooks.write(conn, codec.ack(ACK_CMD[qos], mid))
+            hooks.write(conn, ack)
             return
-        self._work.after(done, (conn, ACK_CMD[qos], mid, topic, payload))
+        self._work.after(done, conn, ack, (topic, payload))
 
     def _on_message_qos0(
         self, client: Any, topic: str | bytes, payload: bytes, qos: int, properties: dict[str, Any]
     ) -> None:
-        done = self._accept(topic, payload, qos, properties)
+        done = self._accept(topic, payload, qos, properties.get("dup"), int(bool(properties.get("retain"))))
         if done is not None:
-            self._work.after(done, (None, 0, 0, topic, payload))
+            self._work.after(done, None, b"", (topic, payload))

@@ -1,19 +1,23 @@
 """Ingest's work in flight: acknowledgements that wait for their group
 commit, and the read gate that bounds that work (ingest.py).
 
-`after(done, ack)` places a message's acknowledgement behind the commit it
-belongs to; the acks of one group are written, on the connection that
-delivered them, in one write once that commit has succeeded.  A failed
+`after(done, conn, ack, msg)` places a message's acknowledgement (its
+PUBACK/PUBREC packet, built on arrival) behind the commit it belongs to; the
+acks of one group are written, on the connection that delivered them, in
+one write once that commit has succeeded: per group one `b"".join`, no work
+per message (a loop over the group's acks building each packet then was
+about 4 % of ingest's CPU).  A failed
 commit acknowledges nothing (the broker redelivers) and sets `store_broken`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from . import gmqtt_hooks as hooks
 from . import heap
@@ -32,9 +36,29 @@ READ_PAUSE_AT: Final = 10_000
 # statements keep bound, see store/commit.py `_insert_rows`).
 READ_PAUSE_BYTES: Final = 4 * 1024 * 1024
 
-# (connection or None for QoS0, PUBACK/PUBREC, packet id, topic, payload)
-Ack = tuple[hooks.Connection, int, int, "str | bytes", bytes]
 ACK_CMD: Final = (0, codec.PUBACK, codec.PUBREC)
+# Python starts a full collection of the cyclic garbage collector after 10
+# collections of its middle generation; a full one walks every object of the
+# process (modules, gmqtt, pydantic, prometheus: 40-80 ms each here).  The
+# groups in flight (thousands of records, acks and messages at a time) drive
+# the young collections, so a drain of 100,000 messages paid six full ones
+# (0.3-0.5 s: about a fifth of ingest's CPU, bench/ingest_bench.py).  After
+# 100 instead, none ran in such a drain.  Young collections keep their pace,
+# so short-lived cycles are freed as before; only garbage old enough to be in
+# the old generation waits longer.
+FULL_COLLECTION_AFTER: Final = 100
+# A message as the observers get it: (topic, payload).  Bytes topics (not
+# UTF-8) are only ever dead letters, whose groups the observers skip.
+Msg = tuple["str | bytes", bytes]
+
+
+def spare_full_collections() -> None:
+    """Process-wide (ingest calls it once): full collections after
+    FULL_COLLECTION_AFTER middle-generation collections, unless the collector
+    is off or already set to wait longer."""
+    young, middle, full = gc.get_threshold()
+    if young and full < FULL_COLLECTION_AFTER:
+        gc.set_threshold(young, middle, FULL_COLLECTION_AFTER)
 
 
 class InFlight:
@@ -56,8 +80,14 @@ class InFlight:
         self.group_observers: list[Callable[[list[tuple[str, bytes]]], None]] = []
         # The commit futures of dead-letter groups (observers skip those).
         self.dead_groups: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
+        # The group whose acknowledgements are being gathered: its future,
+        # the connection of its last ack, that connection's acks, and the
+        # (connection, acks) segments and messages of the whole group.
         self._ack_future: asyncio.Future[Any] | None = None
-        self._ack_list: list[Ack] = []
+        self._conn: hooks.Connection = None
+        self._acks: list[bytes] = []
+        self._segments: list[tuple[hooks.Connection, list[bytes]]] = []
+        self._msgs: list[Msg] = []
         # Reads wait on _resume while READ_PAUSE_AT messages are in flight
         # (payload bytes in flight are the outbox's pending_bytes).
         self._resume = asyncio.Event()
@@ -83,21 +113,37 @@ class InFlight:
             await self._resume.wait()
         await self._outbox.wait_pending_below(READ_PAUSE_AT, max_bytes=READ_PAUSE_BYTES)
 
-    def after(self, done: asyncio.Future[Any], ack: Ack) -> None:
-        """Acknowledge `ack` once `done` (its group commit) succeeded."""
-        if not self.handlers:
-            self.idle.clear()
+    def after(self, done: asyncio.Future[Any], conn: hooks.Connection, ack: bytes, msg: Msg) -> None:
+        """Acknowledge a message -- `ack`, its PUBACK/PUBREC packet (b"" for
+        QoS0), on `conn` -- once `done` (its group commit) succeeded, and
+        show `msg` to the observers then."""
         self.handlers += 1
-        if done is self._ack_future and not done.done():
-            self._ack_list.append(ack)
-            return
-        self._ack_future = done
-        self._ack_list = acks = [ack]
-        done.add_done_callback(partial(self._acknowledge, acks))
+        if done is not self._ack_future:
+            self._open(done, conn)
+        elif conn is not self._conn and ack:  # a new connection (QoS0 has no ack to place)
+            self._conn = conn
+            self._acks = []
+            self._segments.append((conn, self._acks))
+        self._acks.append(ack)
+        self._msgs.append(msg)
 
-    def _acknowledge(self, acks: list[Ack], done: asyncio.Future[Any]) -> None:
+    def _open(self, done: asyncio.Future[Any], conn: hooks.Connection) -> None:
+        """The first message acknowledged after `done`: gather its group."""
+        self.idle.clear()
+        self._ack_future = done
+        self._conn = conn
+        self._acks = []
+        self._segments = [(conn, self._acks)]
+        self._msgs = []
+        done.add_done_callback(partial(self._acknowledge, self._segments, self._msgs))
+
+    def _acknowledge(
+        self, segments: list[tuple[hooks.Connection, list[bytes]]], msgs: list[Msg], done: asyncio.Future[Any]
+    ) -> None:
+        if done is self._ack_future:
+            self._ack_future = None  # later messages start a list of their own
         self._on_group()
-        self.handlers -= len(acks)
+        self.handlers -= len(msgs)
         if self.handlers == 0:
             self.idle.set()
             if self._trim_due:
@@ -110,23 +156,14 @@ class InFlight:
             # messages and redelivers them on the next session.
             self.store_broken.set()
             return
-        msgs: list[tuple[str, bytes]] = []
-        if (self.observers or self.group_observers) and done not in self.dead_groups:
-            msgs = [(t, p) for _, _, _, t, p in acks if isinstance(t, str)]
+        observed = bool(self.observers or self.group_observers) and done not in self.dead_groups
+        committed = cast("list[tuple[str, bytes]]", msgs)  # str topics: see Msg
+        if observed:
             for observe in self.observers:
-                for topic, payload in msgs:
+                for topic, payload in committed:
                     observe(topic, payload)
-        conn: hooks.Connection = None
-        out: list[bytes] = []
-        ack = codec.ack
-        for c, cmd, mid, _, _ in acks:
-            if c is None:  # QoS0: nothing to acknowledge
-                continue
-            if c is not conn:
-                hooks.write(conn, b"".join(out))
-                conn, out = c, []
-            out.append(ack(cmd, mid))
-        hooks.write(conn, b"".join(out))
-        if msgs:
+        for conn, acks in segments:
+            hooks.write(conn, b"".join(acks))
+        if observed:
             for observe_group in self.group_observers:
-                observe_group(msgs)
+                observe_group(committed)

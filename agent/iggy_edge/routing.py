@@ -71,17 +71,22 @@ class Router:
 
     def __init__(self, rules: Sequence[RouteSettings], max_payload_bytes: int) -> None:
         self._rules = [(r.filter.split("/"), r) for r in rules]
-        self._max_payload = max_payload_bytes
+        self.max_payload = max_payload_bytes
         self._cache: dict[str, Route | Rejected] = {}
+        # The topics of `_cache` that route (a subset of it): ingest looks a
+        # message's topic up here first (one call less a message) and calls
+        # `route` for a miss or a payload outside 1..max_payload.  (Keyed by
+        # str | bytes only so a bytes topic may be looked up: it misses.)
+        self.routes: dict[str | bytes, Route] = {}
 
     def route(self, topic: str | bytes, payload_size: int) -> Route | Rejected:
         if payload_size == 0:
             # Iggy refuses empty messages; MQTT uses them to clear retained topics.
             return Rejected(DeadLetterReason.EMPTY_PAYLOAD, "empty payload (Iggy cannot store it)")
-        if payload_size > self._max_payload:
+        if payload_size > self.max_payload:
             return Rejected(
                 DeadLetterReason.OVERSIZE,
-                f"payload {payload_size} bytes > max_payload_bytes {self._max_payload}",
+                f"payload {payload_size} bytes > max_payload_bytes {self.max_payload}",
             )
         if isinstance(topic, str):
             hit = self._cache.get(topic)
@@ -93,7 +98,10 @@ class Router:
         result = self._match(checked)
         if len(self._cache) >= CACHE_LIMIT:
             self._cache.clear()  # cheap bound; device topics are a small, stable set
+            self.routes.clear()
         self._cache[checked] = result
+        if isinstance(result, Route):
+            self.routes[checked] = result
         return result
 
     def _match(self, topic: str) -> Route | Rejected:

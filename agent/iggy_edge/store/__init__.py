@@ -20,8 +20,10 @@ Design
   composed of parts that own their state and hold explicit references to
   the parts they need; base.py has the table of who owns and gets what.
 * **Group commit.**  Ingest hands records over synchronously
-  (`Outbox.submit`) in arrival order and awaits the commit of the group that
-  contains them.  A committer task takes whatever is pending (up to
+  (`Outbox.take`: admission by the device bounds, redelivery recognition and
+  the record's place in the open group, in one call; `submit` for tools and
+  tests) in arrival order and awaits the commit of the group that contains
+  them.  A committer task takes whatever is pending (up to
   `commit_max_records`), waits at most `commit_interval_ms` for more,
   writes them in one transaction and resolves one future for the whole group.
   The MQTT acknowledgement is sent only after that future resolves, so an

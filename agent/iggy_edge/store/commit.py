@@ -6,24 +6,27 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
-from typing import Any
+from typing import Any, Final, Literal
+from zlib import crc32
 
 from ..config import BufferSettings
 from ..metrics import Metrics
 from ..records import Route
+from ..routing import Rejected
 from ..timeouts import wait_for
 from .base import Backlog, Handover, Part, RecentKey, recent_key, redelivery_key
 from .bounds import Bounds
 from .db import Database, StoreError
 from .dead import DEAD_GROUP_MAX, DeadLetters
 from .devices import Devices
-from .schema import RECENT_TRIM, RECENT_WINDOW, ROWS_PER_INSERT, accounted_bytes
+from .schema import RECENT_TRIM, RECENT_WINDOW, ROW_OVERHEAD, ROWS_PER_INSERT
 from .sources import Catalog
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Incoming:
-    """A message from ingest, waiting in the pending group."""
+    """A message for `GroupCommit.submit` (tests, benches, tools; ingest
+    hands its messages to `take` field by field, without this object)."""
 
     route: Route
     mqtt_topic: str
@@ -40,16 +44,30 @@ class Incoming:
     received_us: int
     payload: bytes
     device_seq: int | None = None
-    # `redelivery_key` (ingest computes it once per message); None: derived at submit
+    # `redelivery_key` (when the caller computed it); None: derived at submit
     key: RecentKey | None = None
+
+
+# A record in the open group: (route, MQTT topic, flags (qos | retain << 2),
+# received_us, device seq, payload, redelivery key).  A plain tuple: building
+# a dataclass per message cost ingest 0.4 us of its ~15.
+Item = tuple[Route, str, int, int, int | None, bytes, RecentKey | None]
+# The redelivery window's "no entry" (a value there is None or a group's future)
+_NONE: Final[Any] = object()
 
 
 @dataclass
 class _Group:
-    items: list[Incoming] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
     done: asyncio.Future[None] | None = None
     nbytes: int = 0  # payload bytes
-    keys: set[RecentKey] = field(default_factory=set)  # the redelivery keys of its items
+    # The redelivery keys this group put in the window (with its future).
+    keys: list[RecentKey] = field(default_factory=list)
+    # MQTT topic -> the route its records in this group were admitted and
+    # reserved with (`Devices.reserve`), once per source and group, not per
+    # record; `reserved` lists them for `Devices.settle`.
+    sources: dict[str, Route] = field(default_factory=dict)
+    reserved: list[tuple[str, str]] = field(default_factory=list)
 
 
 @lru_cache(maxsize=64)
@@ -85,12 +103,18 @@ class GroupCommit(Part):
         self._dead = dead
         self._pending = _Group()
         self._committing: _Group | None = None  # the group whose commit is under way
-        # Insertion-ordered and bounded.  An OrderedDict because trimming a plain
-        # dict from the front with next(iter(d)) rescans its deleted slots: that
-        # was 10 us per record at 20k entries, the largest cost in _insert.
+        # The redelivery window: key (`redelivery_key`) -> None for a
+        # committed record, or the future of the group commit it waits for
+        # (done: committed; a failed commit takes its keys out first).  A key
+        # goes in when its record is submitted, so recognising a copy is one
+        # lookup whether its original is committed or pending.
+        # Insertion-ordered and bounded (the newest RECENT_WINDOW committed
+        # keys, plus those of the open group).  An OrderedDict because
+        # trimming a plain dict from the front with next(iter(d)) rescans its
+        # deleted slots: that was 10 us per record at 20k entries.
         # Keys are `recent_key`s: 169 bytes an entry against 274 for a
         # (topic, seq, crc) triple with its own topic string (2 MB less at 20k).
-        self._recent: OrderedDict[RecentKey, None] = OrderedDict()
+        self._recent: OrderedDict[RecentKey, asyncio.Future[None] | None] = OrderedDict()
         self._recent_count = 0
 
     def copy_of(self, key: RecentKey) -> asyncio.Future[None] | bool:
@@ -98,34 +122,105 @@ class GroupCommit(Part):
         `redelivery_key` a copy of a record submitted before?  True when that
         record is committed (in the redelivery window), the future of its
         group commit while it waits for it (acknowledge the copy with it),
-        False when there is none."""
-        if key in self._recent:
-            return True
-        for group in (self._pending, self._committing):
-            if group is not None and group.done is not None and key in group.keys:
-                return group.done
-        return False
+        False when there is none.  (`take` does this for ingest.)"""
+        known = self._recent.get(key, _NONE)
+        if known is _NONE:
+            return False
+        return True if known is None or known.done() else known
+
+    def take(
+        self,
+        route: Route,
+        mqtt_topic: str,
+        qos: int,
+        retain: int,
+        received_us: int,
+        payload: bytes,
+        device_seq: int | None,
+        check: bool,
+    ) -> asyncio.Future[None] | Rejected | Literal[True]:
+        """Ingest's one call per message (synchronous: arrival order is
+        outbox order): admission by the per-device bounds (`Devices.admit`,
+        once per source and group), redelivery recognition when `check`,
+        and the record's place in the open group.
+
+        Returns the future of the group commit to acknowledge the message
+        after (its own, or its original's while that waits), True for a copy
+        of a committed record (acknowledge it now, nothing is stored;
+        counted), or why it is refused (a dead letter)."""
+        group = self._pending
+        reserved = group.sources.get(mqtt_topic) is route
+        if not reserved:
+            rejected = self._devices.admit(route, mqtt_topic)
+            if rejected is not None:
+                return rejected
+        done = group.done
+        if done is None:
+            done = group.done = asyncio.get_running_loop().create_future()
+        key = None
+        if device_seq is not None and qos:
+            # = redelivery_key(mqtt_topic, qos, device_seq, payload), inline (the hot path)
+            key = (sys.intern(mqtt_topic), device_seq << 32 | crc32(payload))
+            known = self._recent.get(key, _NONE)
+            if known is _NONE:
+                self._recent[key] = done
+                group.keys.append(key)
+            elif check:
+                self._metrics.ingest_known_copies.inc()
+                return True if known is None or known.done() else known
+        # (what _add does, inline: a call less per message)
+        group.items.append((route, mqtt_topic, qos | retain << 2, received_us, device_seq, payload, key))
+        if not reserved:
+            self._reserve(group, route, mqtt_topic)
+        n = len(payload)
+        group.nbytes += n
+        self._handover.pending_bytes += n
+        backlog = self._backlog
+        if n > backlog.payload_high:  # noqa: PLR1730 - max() is one more call per message
+            backlog.payload_high = n
+        count = len(group.items)
+        if count == 1 or count == self._settings.commit_max_records:  # noqa: PLR1714 - see _add
+            self._handover.wakeup.set()
+        return done
 
     def submit(self, item: Incoming) -> asyncio.Future[None]:
-        """Queue a record for the next group commit (synchronous, so arrival
-        order is kept) and return the future of that commit."""
+        """Queue a record for the next group commit, without admission or
+        recognition (synchronous, so arrival order is kept) and return the
+        future of that commit."""
         group = self._pending
-        if group.done is None:
-            group.done = asyncio.get_running_loop().create_future()
-        group.items.append(item)
+        done = group.done
+        if done is None:
+            done = group.done = asyncio.get_running_loop().create_future()
         key = item.key
         if key is None and item.device_seq is not None:
             key = item.key = redelivery_key(item.mqtt_topic, item.qos, item.device_seq, item.payload)
-        if key is not None:
-            group.keys.add(key)
-        self._devices.reserve(item.route.key, item.mqtt_topic)
-        n = len(item.payload)
+        if key is not None and self._recent.setdefault(key, done) is done:
+            group.keys.append(key)
+        flags = item.qos | int(item.retain) << 2
+        row = (item.route, item.mqtt_topic, flags, item.received_us, item.device_seq, item.payload, key)
+        self._add(group, row)
+        return done
+
+    def _add(self, group: _Group, item: Item) -> None:
+        group.items.append(item)
+        route, topic = item[0], item[1]
+        if group.sources.get(topic) is not route:
+            self._reserve(group, route, topic)
+        n = len(item[5])
         group.nbytes += n
         self._handover.pending_bytes += n
         self._backlog.payload_high = max(self._backlog.payload_high, n)
-        if len(group.items) == 1 or len(group.items) >= self._settings.commit_max_records:
+        count = len(group.items)
+        # == not >= (and no tuple built per message for `in`): the committer
+        # needs one wake-up, not one per record past the limit
+        if count == 1 or count == self._settings.commit_max_records:  # noqa: PLR1714
             self._handover.wakeup.set()
-        return group.done
+
+    def _reserve(self, group: _Group, route: Route, topic: str) -> None:
+        """The group's first record of this source (`Devices.reserve`)."""
+        group.sources[topic] = route
+        group.reserved.append((route.key, topic))
+        self._devices.reserve(route.key, topic)
 
     @property
     def pending_count(self) -> int:
@@ -182,7 +277,8 @@ class GroupCommit(Part):
             async with self._lock:
                 await self._insert(group.items)
         except (sqlite3.Error, OSError) as e:
-            self._devices.settle([(it.route.key, it.mqtt_topic) for it in group.items])
+            self._unremember(group.keys, done)
+            self._devices.settle(group.reserved)
             self._handover.release(group.nbytes)
             self._metrics.store_errors.inc()
             err = StoreError(f"commit failed: {e}")
@@ -191,38 +287,50 @@ class GroupCommit(Part):
                 done.set_exception(err)
                 done.exception()  # mark retrieved: each waiter re-raises it
             return
-        self._devices.settle([(it.route.key, it.mqtt_topic) for it in group.items])
+        except BaseException:
+            self._unremember(group.keys, done)  # not committed: copies are new again
+            raise
+        self._devices.settle(group.reserved)
         self._handover.release(group.nbytes)
         self._metrics.store_commit_seconds.observe(time.perf_counter() - started)
         if done is not None and not done.done():
             done.set_result(None)
 
+    def _unremember(self, keys: Sequence[RecentKey], done: asyncio.Future[None] | None) -> None:
+        """Take the keys of records that were not committed out of the
+        window; a record of the open group with one of those keys (submitted
+        without `check`) holds it now."""
+        recent = self._recent
+        for key in keys:
+            if recent.get(key, _NONE) is done:
+                del recent[key]
+        group = self._pending
+        if group is not self._committing and group.done is not None:
+            for item in group.items:
+                held = item[6]
+                if held is not None and held not in recent:
+                    recent[held] = group.done
+                    group.keys.append(held)
+
     async def _last_seq(self) -> int:
         row = await self._db.fetchone("SELECT seq FROM sqlite_sequence WHERE name = 'outbox'")
         return 0 if row is None else int(row[0])
 
-    async def _insert(self, items: list[Incoming]) -> None:
+    async def _insert(self, items: list[Item]) -> None:
         """Write one group (lock held): bounds first, then one transaction."""
         rows = []
-        add_bytes = 0
+        add_bytes = ROW_OVERHEAD * len(items)  # = sum of accounted_bytes
         route_ids = self._catalog.route_ids
-        for it in items:
-            rid = route_ids.get((it.route.stream, it.route.topic))
+        rids: dict[int, int] = {}  # id(route) -> its id (the group's Route objects)
+        for route, topic, flags, received_us, dseq, payload, rkey in items:
+            rid = rids.get(id(route))
             if rid is None:
-                rid = await self._catalog.route_id(self._db, it.route.stream, it.route.topic)
-            rows.append(
-                (
-                    rid,
-                    it.route.key,
-                    it.mqtt_topic,
-                    it.qos | (int(it.retain) << 2),
-                    it.received_us,
-                    it.device_seq,
-                    it.payload,
-                    it.key,
-                )
-            )
-            add_bytes += accounted_bytes(len(it.payload), it.mqtt_topic)
+                rid = route_ids.get((route.stream, route.topic))
+                if rid is None:
+                    rid = await self._catalog.route_id(self._db, route.stream, route.topic)
+                rids[id(route)] = rid
+            rows.append((rid, route.key, topic, flags, received_us, dseq, payload, rkey))
+            add_bytes += len(payload) + len(topic)
         fit = self._bounds.fit(rows, add_bytes)
         rows = fit.rows
         await self._db.synchronous(self._sync_insert)
@@ -245,9 +353,14 @@ class GroupCommit(Part):
         for key, sid in new_sources.items():
             self._devices.register_source(sid, key)
         self._devices.rows_added(rows, [r[0] for r in outbox_rows])
-        for rkey, _ in recent:
-            self._recent[rkey] = None
-        while len(self._recent) > RECENT_WINDOW:
+        committing = self._committing
+        if len(rows) < len(items) and committing is not None:
+            # records the bounds dropped are not in the window (a copy is new)
+            kept = {r[7] for r in rows}
+            dropped = [it[6] for it in items if it[6] is not None and it[6] not in kept]
+            self._unremember(dropped, committing.done)
+        limit = RECENT_WINDOW + len(self._pending.keys)  # the open group's keys are the newest
+        while len(self._recent) > limit:
             self._recent.popitem(last=False)
         self._backlog.records += len(rows) - freed_records
         self._backlog.bytes += fit.add_bytes - freed_bytes
@@ -306,7 +419,8 @@ class GroupCommit(Part):
     def seen(self, mqtt_topic: str, device_seq: int, crc: int) -> bool:
         """Was a record with this topic, device sequence and payload CRC
         committed recently?  (Used for broker redeliveries only.)"""
-        return recent_key(mqtt_topic, device_seq, crc) in self._recent
+        known = self._recent.get(recent_key(mqtt_topic, device_seq, crc), _NONE)
+        return known is None or (known is not _NONE and known.done())
 
     async def load_recent(self) -> None:
         """At open: the window as the file has it."""

@@ -50,8 +50,8 @@ from .sources import ORPHANS_SQL, Catalog
 class Device:
     records: int = 0  # committed rows
     bytes: int = 0  # their accounted bytes
-    pending: int = 0  # submitted, commit not settled yet
-    topics: dict[str, int] = field(default_factory=dict)  # MQTT topic -> its sources + pending records
+    pending: int = 0  # reservations of groups not settled yet (one per source and group)
+    topics: dict[str, int] = field(default_factory=dict)  # MQTT topic -> its sources + reservations
     sids: set[int] = field(default_factory=set)
     orphans: int = 0  # sids without a row
 
@@ -119,6 +119,8 @@ class Devices(Part):
         return {k: (d.records, d.bytes) for k, d in self.by_key.items() if d.records}
 
     def reserve(self, key: str, mqtt_topic: str) -> None:
+        """A group holds records of this source (once per source and group:
+        commit.py); `settle` takes it back after that group's commit."""
         d = self.by_key.get(key)
         if d is None:
             d = self.by_key[key] = Device()
@@ -126,7 +128,7 @@ class Devices(Part):
         d.topics[mqtt_topic] = d.topics.get(mqtt_topic, 0) + 1
 
     def settle(self, keys_topics: Iterable[tuple[str, str]]) -> None:
-        """The commit of these submitted records is over (either way)."""
+        """The commit of the group that reserved these (device, topic) is over (either way)."""
         devices = self.by_key
         for key, topic in keys_topics:
             d = devices[key]

@@ -70,6 +70,7 @@ class Outbox:
         self._parts = (self.devices, self.bounds, self.dead, self.commit, self.reader)
         # ingest's hot path: the parts' own methods, no forwarding call
         self.submit = self.commit.submit
+        self.take = self.commit.take
         self.seen = self.commit.seen
         self.copy_of = self.commit.copy_of
         self.admit: Callable[[Route, str], Rejected | None] = self.devices.admit

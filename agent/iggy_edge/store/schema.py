@@ -116,10 +116,10 @@ COUNT_DROP_SQL: Final = (
 
 def device_seq_of(payload: bytes) -> int | None:
     """The device's own sequence number when the payload carries `"seq": N`."""
-    if not payload.startswith(b"{"):
+    if payload[:1] != b"{":  # (a one-byte slice is a cached object: cheaper than startswith)
         return None
     m = DEVICE_SEQ.search(payload, 0, 256)
-    return int(m.group(1)) if m else None
+    return int(m[1]) if m else None
 
 
 def accounted_bytes(payload_len: int, topic: str) -> int:
