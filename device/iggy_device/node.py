@@ -306,23 +306,20 @@ class Device:
         if dropped != self._reported_dropped and self._client is not None:
             # every new session and every change of the drop count.  A heap
             # without a block for the document (a board near its smallest
-            # heap, right after connect) skips it, counted, and tries again
-            # at the next poll: the session and the readings stay.
+            # heap, right after connect) skips it, counted in diag_skipped,
+            # and tries again after _DIAG_RETRY_MS: the session and the
+            # readings stay (dropping the session came back at every connect).
             now = time.ticks_ms()
             if self._reported_dropped == -2 and time.ticks_diff(now, self._diag_at) < 0:
                 return
-            try:
-                d = self.diag()  # no copy of the document (diag() collects)
-                p = codec.encode_reading(self.seq.peek(), self.hw.unix_time(), d, True)
+            try:  # no copy of the document (diag() collects)
+                p = codec.encode_reading(self.seq.peek(), self.hw.unix_time(), self.diag(), True)
             except MemoryError as e:
-                d = None
                 self._diag_skipped += 1
-                if self._reported_dropped != -2:  # logged once a session
-                    self.log("diag skipped:", repr(e))
-                self._reported_dropped = -2
+                self._reported_dropped = -2  # tried again after _DIAG_RETRY_MS
                 self._diag_at = time.ticks_add(now, _DIAG_RETRY_MS)
+                self.log("diag skipped:", repr(e))
                 return
-            d = None
             self._reported_dropped = dropped
             self.seq.next()  # numbered only once it exists: no gap in seq
             # held (receipts on): sent by the next drain, once this frame's
