@@ -82,7 +82,9 @@ def test_a_diag_the_heap_has_no_block_for_is_skipped_counted_and_retried_not_the
         assert done["diag_skipped"] == 2, done
         assert done["bad_messages"] == 0, done
         # every reading arrived, and the diag came once the heap had room
-        up.wait_for(lambda m: len(m.json("/up/env")) >= 20 and m.json("/up/diag"), 20, "readings and diag")
+        up.wait_for(
+            lambda m: len(m.json("/up/env")) >= 20 and bool(m.json("/up/diag")), 20, "readings and diag"
+        )
         assert sorted(r["i"] for r in up.json("/up/env")) == list(range(20))
         diags = up.json("/up/diag")
         assert diags[0]["diag_skipped"] == 2, diags
