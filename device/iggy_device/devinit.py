@@ -21,24 +21,6 @@ def init(dev, cfg, hw):
 
         hw = Hardware.from_config(cfg, log)
     dev.hw = hw
-    d = cfg.data_dir
-    try:
-        from . import datadir
-
-        if datadir.claim(d, cfg.device_id, log):
-            hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
-        ring_bytes = datadir.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=log)
-    finally:
-        unload("datadir")  # boot-only (heap)
-    dev.ring = Ring(d + "/ring", ring_bytes, cfg.segment_bytes, cfg.cursor_every)
-    dev.seq = Sequence(d + "/seq", cfg.seq_block)
-    dev.wake = _load_rtc(hw)  # state kept in RTC memory across deep sleep
-    if hw.woke_from_deepsleep() and "seq" in dev.wake:
-        dev.seq.resume(dev.wake["seq"])
-    dev.reset_cause = hw.reset_cause()
-    dev.backoff = Backoff(cfg.backoff_base_ms, cfg.backoff_max_ms)
-    dev.auth_backoff = Backoff(cfg.auth_backoff_base_ms, cfg.auth_backoff_max_ms)
-    dev._tls = _make_tls(cfg) if cfg.tls else None
     dev._client = None
     now = time.ticks_ms()
     dev._next_try = now
@@ -84,6 +66,27 @@ def init(dev, cfg, hw):
         "bad_messages": 0,
         "inbox_full": 0,
     }
+    # the attributes above first, while the heap is still whole: the
+    # instance's table reaches its final size before Ring and friends
+    # take the holes a later rehash of it would need
+    d = cfg.data_dir
+    try:
+        from . import datadir
+
+        if datadir.claim(d, cfg.device_id, log):
+            hw.rtc_save(b"")  # the old id's wake state (sequence, counters) too
+        ring_bytes = datadir.fit(d + "/ring", cfg.ring_bytes, cfg.segment_bytes, log=log)
+    finally:
+        unload("datadir")  # boot-only (heap)
+    dev.ring = Ring(d + "/ring", ring_bytes, cfg.segment_bytes, cfg.cursor_every)
+    dev.seq = Sequence(d + "/seq", cfg.seq_block)
+    dev.wake = _load_rtc(hw)  # state kept in RTC memory across deep sleep
+    if hw.woke_from_deepsleep() and "seq" in dev.wake:
+        dev.seq.resume(dev.wake["seq"])
+    dev.reset_cause = hw.reset_cause()
+    dev.backoff = Backoff(cfg.backoff_base_ms, cfg.backoff_max_ms)
+    dev.auth_backoff = Backoff(cfg.auth_backoff_base_ms, cfg.auth_backoff_max_ms)
+    dev._tls = _make_tls(cfg) if cfg.tls else None
 
 
 def _load_rtc(hw):

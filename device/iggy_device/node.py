@@ -41,6 +41,7 @@ AUTH_REFUSED = (4, 5, 0x86, 0x87)
 
 _MSGS_PER_POLL = 16  # inbound messages handled per poll(): the loop stays responsive
 _REFILLS = 8  # connect(): reconnects to fetch what a full inbox refused
+_DIAG_RETRY_MS = 10000  # a diag message the heap had no block for: tried again after 10 s
 _NTP_RETRY_MS = 600000  # a clock that did not sync is tried again after 10 min
 
 
@@ -51,6 +52,9 @@ class InboxFull(OSError):
 
 
 class Device:
+    _diag_skipped = 0  # diag messages the heap had no block for (set on the instance)
+    _diag_at = 0
+
     def __init__(self, cfg, hw=None):
         # the body is devinit.py, boot-only (heap): loaded for the one
         # Device, unloaded when it is made.  receipts.py first, as it stays.
@@ -229,6 +233,8 @@ class Device:
         # no key of their own, the diag document stays under a dict size that
         # needs a larger contiguous block (about 8 kB more heap on the Unix port)
         d["bad_messages"] += wire.refused
+        if self._diag_skipped:  # only once there is one (the document's size)
+            d["diag_skipped"] = self._diag_skipped
         return d
 
     def log(self, *args):
@@ -243,7 +249,7 @@ class Device:
             self._up[channel] = t
         return t
 
-    def _send(self, channel, payload):
+    def _send(self, channel, payload, drain=True):
         ring = self.ring
         if self._client is not None and not len(ring) and not ring.hold:
             try:
@@ -258,11 +264,12 @@ class Device:
             self.stats["buffered"] += 1  # waits for a connection or behind others
         evicted = ring.evicted
         lost = ring.append(channel, payload)
+        payload = None  # drained below: its block is free for the read-back
         if lost:
             self.log("buffer full: dropped", lost, "oldest readings, total", ring.dropped)
         if ring.evicted != evicted and self.receipts is not None:
             self.receipts.before_send(None, True)
-        if ring.hold and self._client is not None:
+        if drain and ring.hold and self._client is not None:
             try:  # held until its receipt: send it now, behind anything unsent
                 self._drain(self.cfg.drain_per_poll)
             except NET_ERRORS as e:
@@ -297,9 +304,27 @@ class Device:
     def _report_drops(self):
         dropped = self.ring.dropped
         if dropped != self._reported_dropped and self._client is not None:
-            # every new session and every change of the drop count
+            # every new session and every change of the drop count.  A heap
+            # without a block for the document (a board near its smallest
+            # heap, right after connect) skips it, counted in diag_skipped,
+            # and tries again after _DIAG_RETRY_MS: the session and the
+            # readings stay (dropping the session came back at every connect).
+            now = time.ticks_ms()
+            if self._reported_dropped == -2 and time.ticks_diff(now, self._diag_at) < 0:
+                return
+            try:  # no copy of the document (diag() collects)
+                p = codec.encode_reading(self.seq.peek(), self.hw.unix_time(), self.diag(), True)
+            except MemoryError as e:
+                self._diag_skipped += 1
+                self._reported_dropped = -2  # tried again after _DIAG_RETRY_MS
+                self._diag_at = time.ticks_add(now, _DIAG_RETRY_MS)
+                self.log("diag skipped:", repr(e))
+                return
             self._reported_dropped = dropped
-            self.publish("diag", self.diag(), True)  # no copy of the document (diag() collects)
+            self.seq.next()  # numbered only once it exists: no gap in seq
+            # held (receipts on): sent by the next drain, once this frame's
+            # copy is gone, so reading it back needs no second block of its size
+            self._send("diag", p, False)
 
     # -- connection -----------------------------------------------------------------
     def _connect_if_due(self):

@@ -162,7 +162,7 @@ class Ring:
 
     # -- reader (the send cursor) ------------------------------------------
     def peek(self):
-        """Oldest unsent record as (channel, payload bytes), or None.  It
+        """Oldest unsent record as (channel, payload memoryview), or None.  It
         stays in the ring until ``pop()`` confirms it was delivered (and,
         with ``hold``, until ``receipts.release()`` covers it)."""
         while self._segs:
@@ -185,9 +185,10 @@ class Ring:
                 continue
             self._peeked = len(line)
             i = line.find(b" ")
-            payload = line[i + 1 : -1]
-            self._peek_seq = seq_of(payload)
-            return line[:i].decode(), payload
+            # a view, not a slice: a copy was a second block of the
+            # record's size, which a board near its smallest heap lacks
+            self._peek_seq = seq_of(line, i + 1)
+            return line[:i].decode(), memoryview(line)[i + 1 : -1]
         return None
 
     def pop(self):

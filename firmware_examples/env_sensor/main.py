@@ -97,10 +97,15 @@ def main(cfg):
     # only reached when config "cycles" limits the run (tests, bench)
     dev.flush()
     dev.shutdown()
+    # printed key by key: the whole document as one string was the block a
+    # 56k heap lacked at the end of the run
     d = dev.diag()
-    d["cycles"] = n
-    d["sensor_errors"] = errors[0]
-    print("IGGY-DONE", json.dumps(d))
+    print("IGGY-DONE {", end="")
+    for k in d:
+        print(json.dumps(k) + ":", json.dumps(d[k]), end=", ")
+    d = None
+    print('"cycles":', n, end=", ")
+    print('"sensor_errors":', errors[0], end="}\n")
 
 
 # safe mode (/safe or safe_pin held low) starts nothing; an uncaught error

@@ -19,9 +19,9 @@ from iggy_device.seq import Sequence
 pytestmark = pytest.mark.unit
 
 
-def _rec_id(rec: tuple[str, bytes] | None) -> int:
+def _rec_id(rec: tuple[str, memoryview] | None) -> int:
     assert rec is not None
-    return int(json.loads(rec[1])["i"])
+    return int(json.loads(bytes(rec[1]))["i"])
 
 
 def _disk_bytes(d: Path) -> int:
