@@ -406,9 +406,15 @@ def held_chunks(settings: Settings) -> int:
 
 
 def rows_all(settings: Settings) -> list[object]:
-    conn = sqlite3.connect(settings.state_dir / "ota.db")
+    """Every update row in ota.db (none while the agent is still making it)."""
+    path = settings.state_dir / "ota.db"
+    if not path.exists():
+        return []
+    conn = sqlite3.connect(path)
     try:
         return list(conn.execute("SELECT id FROM ota_updates").fetchall())
+    except sqlite3.OperationalError:  # the file is there, its tables not yet
+        return []
     finally:
         conn.close()
 
@@ -441,6 +447,7 @@ async def test_a_cloud_update_reaches_a_board_through_the_least_privileged_gatew
     board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
     try:
         await asyncio.wait_for(agent.ready.wait(), 15)
+        await async_wait_until(lambda: len(rows_all(settings)) == 1, timeout=30, what="the rollout queued")
         await wait_state(settings, "dev-1", "done", timeout=40)
         assert agent.metrics.value("iggy_edge_downlink_errors_total", kind="poll") == 0
     finally:
