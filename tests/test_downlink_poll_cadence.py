@@ -16,7 +16,7 @@ import pytest
 from iggy_edge.config import Settings
 from iggy_edge.downlink import poll
 from iggy_edge.downlink.commands import make_command, return_topic
-from iggy_edge.runtime import build_agent
+from iggy_edge.runtime import build_agent, updates
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyCommandSource
 from iggy_edge.uplink.memory import MemoryCommandSource, MemoryIggy
@@ -31,9 +31,9 @@ from tests.support.wait import async_wait_until
 
 class Recording:
     """A MemoryCommandSource that records each poll's (topic, partition) and
-    can refuse looks like a server whose user may not read topic details.
-    The board updater's topic (``ota.<gw>``, ota/cloud.py) shares the source
-    and is passed through unrecorded: its cadence is its own."""
+    every request's topic (`topics`), and can refuse looks like a server whose
+    user may not read topic details.  Board updates ride the return-path topic
+    (ota/cloud.py): nothing here is left out."""
 
     def __init__(self, inner: MemoryCommandSource, *, refuse_looks: bool = False) -> None:
         self.inner = inner
@@ -42,6 +42,7 @@ class Recording:
         self.times: list[float] = []
         self.marks: dict[str, float] = {}
         self.looks = 0
+        self.topics: list[str] = []  # every poll, look and mirror, in order
 
     @property
     def first(self) -> float:
@@ -59,20 +60,20 @@ class Recording:
     async def poll(
         self, stream: str, topic: str, partition_id: int, offset: int, count: int
     ) -> list[PolledMessage]:
-        if not topic.startswith("ota."):
-            self.polled.append((topic, partition_id))
-            self.times.append(time.monotonic())
+        self.polled.append((topic, partition_id))
+        self.times.append(time.monotonic())
+        self.topics.append(topic)
         return await self.inner.poll(stream, topic, partition_id, offset, count)
 
     async def last_offsets(self, stream: str, topic: str) -> dict[int, int] | None:
-        if topic.startswith("ota."):
-            return await self.inner.last_offsets(stream, topic)
         self.looks += 1
+        self.topics.append(topic)
         if self.refuse_looks:
             raise UplinkRejected("iggy: Unauthorized (permission denied)")
         return await self.inner.last_offsets(stream, topic)
 
     async def mirror_offset(self, stream: str, topic: str, partition_id: int, offset: int) -> None:
+        self.topics.append(topic)
         await self.inner.mirror_offset(stream, topic, partition_id, offset)
 
     async def close(self) -> None:
@@ -127,6 +128,40 @@ async def test_quiet_it_polls_the_one_partition_once_per_interval_and_faster_aft
     assert hot >= 0.5 * (hot_s - 0.2) / (interval / poll.HOT_POLLS_PER_INTERVAL), hot
     after = source.count_between(source.marks["command"] + hot_s + 0.5, source.marks["command"] + IDLE_S)
     assert after <= (IDLE_S - hot_s - 0.5) / interval + 2, after
+
+
+async def test_a_quiet_gateway_with_board_updates_on_makes_one_poll_per_second_and_nothing_else(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """The whole agent (build_agent: the updater runs), default cadence, no
+    traffic: after the looks at start, one poll of the return-path topic per
+    second and no other request -- board updates from the cloud side ride
+    that poll (kind = ota) and cost nothing of their own."""
+    settings = downlink_settings(tmp_path, broker, downlink={"poll_interval_s": 1.0})
+    iggy = MemoryIggy(partitions=3)
+    provision(iggy, settings)
+    source = Recording(iggy.command_source(consumer_name(settings)))
+    agent = build_agent(settings, uplink=iggy.uplink(), command_source=source)
+    assert updates in agent.components
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        await async_wait_until(lambda: source.polled, what="first poll")
+        looks = len(source.topics) - 1
+        await asyncio.sleep(QUIET_S)
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 15)
+    rt = return_topic(settings)
+    assert looks == source.looks == 3  # at start: the topic and the two of the old scheme
+    after_start = source.topics[looks:]
+    assert set(after_start) == {rt.topic}, after_start
+    assert len(after_start) == len(source.polled)  # polls only: no look, no mirror
+    quiet = source.count_between(source.first, source.first + QUIET_S - 0.5)
+    assert QUIET_S - 2 <= quiet <= QUIET_S, quiet  # one per second (the window holds 3.5 s)
+
+
+QUIET_S = 4.0
 
 
 async def test_a_refused_look_does_not_stop_polling(tmp_path: Path, broker: Broker) -> None:

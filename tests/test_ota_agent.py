@@ -5,15 +5,28 @@ the device library's side is merged)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
-from iggy_edge.ota.cloud import cloud_messages, ota_topic
+import pytest
+from iggy_edge.buffer_admin import read_dead_letters
+from iggy_edge.config import Settings
+from iggy_edge.downlink.commands import return_topic
+from iggy_edge.inbox_admin import read_offsets
+from iggy_edge.ota.cloud import INVALID_OTA, cloud_headers, cloud_messages, send_update
+from iggy_edge.ota.component import updates_with
 from iggy_edge.ota.updater import Limits
+from iggy_edge.runtime import Agent, return_path
+from iggy_edge.uplink.factory import make_command_source, make_uplink
+from iggy_edge.uplink.iggy import IggyCommandSink
 from iggy_edge.uplink.memory import MemoryIggy
 
 from tests.support.broker import Broker
+from tests.support.downlink import downlink_settings
+from tests.support.iggy_server import IggyServer
 from tests.support.ota_agent import (
     FAST,
+    RunningAgent,
     app,
     ota_settings,
     request,
@@ -24,7 +37,9 @@ from tests.support.ota_agent import (
     wait_state,
 )
 from tests.support.ota_board import Script, ScriptedBoard
+from tests.support.provisioning import gateway_settings, provision
 from tests.support.return_path import device
+from tests.support.return_path import provision as provision_memory
 from tests.support.wait import async_wait_until
 
 
@@ -295,28 +310,152 @@ class CorruptAlways(set[tuple[int, int]]):
 _ = FAST
 
 
-async def test_an_update_requested_by_the_cloud_side_through_iggy(tmp_path: Path, broker: Broker) -> None:
+def publish_ota(iggy: MemoryIggy, settings: Settings, payloads: list[bytes]) -> None:
+    """What the cloud side writes (`send_update`): the gateway's return-path topic, kind = ota."""
+    rt = return_topic(settings)
+    for m in payloads:
+        iggy.publish(rt.stream, rt.topic, rt.partition, m, cloud_headers())
+
+
+async def test_an_update_requested_by_the_cloud_side_through_the_return_topic(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Chunks and request ride the one return-path topic with kind = ota, read
+    by the return poll; garbage, a tampered chunk and a request for an unknown
+    artifact are dead letters with their reasons, and the poll goes on."""
     settings = ota_settings(tmp_path, broker)
     iggy = MemoryIggy()
+    provision_memory(iggy, settings)
     art = app("v2", size=150_000)  # three Iggy chunks
-    topic = ota_topic(settings)
     good = cloud_messages(art, ["dev-1"])
     tampered = bytearray(good[1])
     tampered[-1] ^= 1
-    for m in [b"garbage", bytes(tampered), b'{"t":"update","artifact":"nope","devices":["dev-1"]}']:
-        iggy.publish("edge", topic, 0, m)
-    async with running(settings, iggy) as r:
+    nope = b'{"t":"update","artifact":"nope","devices":["dev-1"]}'
+    publish_ota(iggy, settings, [b"garbage", bytes(tampered), nope])
+    async with running(settings, iggy, with_return_path=True) as r:
         board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
         try:
-            await asyncio.sleep(0.5)
+            await async_wait_until(
+                lambda: len(read_dead_letters(settings.buffer_path)) == 3, what="3 refused"
+            )
             assert state_of(settings, "dev-1") is None  # nothing usable yet
-            for m in good:
-                iggy.publish("edge", topic, 0, m)
+            publish_ota(iggy, settings, good)
             await wait_state(settings, "dev-1", "done", timeout=30)
         finally:
             await board.stop()
         assert board.flash.installed == dict(art.files)
-        assert r.metric("iggy_edge_ota_bound_hits_total", bound="artifact") >= 2
+        assert r.metric("iggy_edge_ota_bound_hits_total", bound="artifact") == 3
+    dead = sorted(read_dead_letters(settings.buffer_path), key=lambda d: d.id)
+    assert [d.reason for d in dead] == [INVALID_OTA] * 3
+    assert "not an ota message" in dead[0].detail
+    assert "sha256 mismatch" in dead[1].detail
+    assert "no artifact nope" in dead[2].detail
+    assert bytes(dead[1].payload) == bytes(tampered)
+    assert not [t for t in iggy.topics if t[1].startswith("ota.")]  # no topic of its own any more
+
+
+async def test_cloud_chunks_are_durable_before_the_offset_and_a_re_read_takes_nothing_twice(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Two chunks, then the agent is killed; the chunks are in ota.db (the
+    poll's offset past them), the rest comes after the restart.  Then the
+    return poll reads the whole topic again (its offsets forgotten): neither a
+    second rollout nor a dead letter."""
+    settings = ota_settings(tmp_path, broker)
+    iggy = MemoryIggy()
+    provision_memory(iggy, settings)
+    art = app("v3", size=150_000)
+    good = cloud_messages(art, ["dev-1"])
+    publish_ota(iggy, settings, good[:2])
+    first = await RunningAgent(settings, iggy, FAST, with_return_path=True).start()
+    try:
+        await async_wait_until(lambda: consumed(settings) == 1, what="two chunks consumed")
+        assert held_chunks(settings) == 2  # durable before the offset moved past them
+    finally:
+        await first.hard_kill()
+    publish_ota(iggy, settings, good[2:])
+    async with running(settings, iggy, with_return_path=True):
+        board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
+        try:
+            await wait_state(settings, "dev-1", "done", timeout=30)
+        finally:
+            await board.stop()
+    assert held_chunks(settings) == 0
+    conn = sqlite3.connect(settings.buffer_path)
+    conn.execute("DELETE FROM downlink_offsets")  # the poll reads everything again
+    conn.commit()
+    conn.close()
+    async with running(settings, iggy, with_return_path=True):
+        await async_wait_until(lambda: consumed(settings) == len(good) - 1, what="read again")
+    assert len(rows_all(settings)) == 1
+    assert read_dead_letters(settings.buffer_path) == []
+
+
+def consumed(settings: Settings) -> int:
+    rt = return_topic(settings)
+    got = [o[3] for o in read_offsets(settings.buffer_path) if (o[0], o[1]) == (rt.stream, rt.topic)]
+    return got[0] if got else -1
+
+
+def held_chunks(settings: Settings) -> int:
+    conn = sqlite3.connect(settings.state_dir / "ota.db")
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM ota_cloud_chunks").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def rows_all(settings: Settings) -> list[object]:
+    """Every update row in ota.db (none while the agent is still making it)."""
+    path = settings.state_dir / "ota.db"
+    if not path.exists():
+        return []
+    conn = sqlite3.connect(path)
+    try:
+        return list(conn.execute("SELECT id FROM ota_updates").fetchall())
+    except sqlite3.OperationalError:  # the file is there, its tables not yet
+        return []
+    finally:
+        conn.close()
+
+
+@pytest.mark.iggy
+async def test_a_cloud_update_reaches_a_board_through_the_least_privileged_gateway_user(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    """`cloud provision-gateway` (admin) makes the topic and the gateway's
+    user; the cloud side's `send_update` writes the update to return.<gw>;
+    the agent, logged in as the gateway's user, applies it to the board."""
+    iggy = {"kind": "iggy", "address": iggy_server.address, "username": iggy_server.username}
+    admin = downlink_settings(tmp_path, broker, iggy={**iggy, "password": iggy_server.password})
+    provisioned = await provision(admin)
+    art = app("v4", size=70_000)  # two chunks
+    sink = IggyCommandSink(admin.iggy)
+    try:
+        offsets = await send_update(sink, admin.gateway_id, admin.downlink, art, ["dev-1"])
+    finally:
+        await sink.close()
+    assert offsets == [0, 1, 2]
+    settings = gateway_settings(admin, provisioned)
+    agent = Agent(
+        settings,
+        uplink=make_uplink(settings),
+        command_source=make_command_source(settings),
+        components=(updates_with(FAST), return_path),
+    )
+    task = asyncio.create_task(agent.run())
+    board = await ScriptedBoard(broker.host, broker.port, "dev-1").start()
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 15)
+        await async_wait_until(lambda: len(rows_all(settings)) == 1, timeout=30, what="the rollout queued")
+        await wait_state(settings, "dev-1", "done", timeout=40)
+        assert agent.metrics.value("iggy_edge_downlink_errors_total", kind="poll") == 0
+    finally:
+        await board.stop()
+        agent.stop()
+        await asyncio.wait_for(task, 20)
+    assert board.flash.installed == dict(art.files)
+    assert read_dead_letters(settings.buffer_path) == []
 
 
 async def test_a_lost_verdict_is_asked_for_after_the_switch(tmp_path: Path, broker: Broker) -> None:

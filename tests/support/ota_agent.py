@@ -14,7 +14,7 @@ from iggy_edge.ota import requests as req
 from iggy_edge.ota.artifact import Artifact
 from iggy_edge.ota.component import updates_with
 from iggy_edge.ota.updater import Limits
-from iggy_edge.runtime import Agent
+from iggy_edge.runtime import Agent, return_path
 from iggy_edge.uplink.factory import consumer_name
 from iggy_edge.uplink.memory import MemoryIggy
 
@@ -75,12 +75,17 @@ def state_of(settings: Settings, device: str) -> str | None:
 
 
 class RunningAgent:
-    def __init__(self, settings: Settings, iggy: MemoryIggy, limits: Limits) -> None:
+    """The agent with its updater; with `return_path`, the return poll too
+    (which hands the cloud side's ``kind = ota`` messages to ota/cloud.py)."""
+
+    def __init__(
+        self, settings: Settings, iggy: MemoryIggy, limits: Limits, *, with_return_path: bool
+    ) -> None:
         self.agent = Agent(
             settings,
             uplink=iggy.uplink(),
             command_source=iggy.command_source(consumer_name(settings)),
-            components=(updates_with(limits),),
+            components=(updates_with(limits), return_path) if with_return_path else (updates_with(limits),),
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -108,9 +113,13 @@ class RunningAgent:
 
 @contextlib.asynccontextmanager
 async def running(
-    settings: Settings, iggy: MemoryIggy | None = None, limits: Limits = FAST
+    settings: Settings,
+    iggy: MemoryIggy | None = None,
+    limits: Limits = FAST,
+    *,
+    with_return_path: bool = False,
 ) -> AsyncIterator[RunningAgent]:
-    r = await RunningAgent(settings, iggy or MemoryIggy(), limits).start()
+    r = await RunningAgent(settings, iggy or MemoryIggy(), limits, with_return_path=with_return_path).start()
     try:
         yield r
     finally:

@@ -5,12 +5,12 @@ Addressing (why one Iggy topic per gateway, see docs/return-path.md)
 A gateway reads one topic, ``{return_topic}.{gateway_id}`` (``return.<gw>``)
 of ONE partition, in stream ``{stream_prefix}-{n}`` (``edge-rp-<n>``) where
 n = `stream_shard` (blake2b of the gateway id mod ``stream_shards``, the
-hash `partition_for` uses), and nothing else.  Commands and desired configs
-share the topic; a message's ``kind`` user header (`KIND_HEADER`) says which
-(`KIND_COMMAND`, `KIND_CONFIG`).  One partition keeps every device's order.
-Sharding keeps each stream under Iggy's 4,096 topics per stream.  The cloud
-side learns which gateway serves a device from the ``gateway-id`` header
-every uplink record carries, and computes the same `return_topic_of`.
+hash `partition_for` uses), and nothing else.  Commands, desired configs and
+board updates share it; a message's ``kind`` user header (`KIND_HEADER`) says
+which (`KIND_COMMAND`, `KIND_CONFIG`, `KIND_OTA`: ota/cloud.py).  Sharding
+keeps each stream under Iggy's 4,096 topics per stream.  The cloud side learns
+which gateway serves a device from the ``gateway-id`` header every uplink
+record carries, and computes the same `return_topic_of`.
 
 Before, a gateway read two topics, ``{commands_topic}.{gateway_id}`` and
 ``{config_topic}.{gateway_id}`` in ``stream`` (``edge``), of ``iggy.partitions``
@@ -178,7 +178,8 @@ class Ack:
 KIND_HEADER: Final = "kind"  # user header of every return-path message
 KIND_COMMAND: Final = "command"
 KIND_CONFIG: Final = "config"
-KINDS: Final = (KIND_COMMAND, KIND_CONFIG)
+KIND_OTA: Final = "ota"  # a board update's chunk or request, for ota/cloud.py
+KINDS: Final = (KIND_COMMAND, KIND_CONFIG, KIND_OTA)
 RETURN_PARTITION: Final = 0  # the return-path topic has one partition
 
 
@@ -213,16 +214,15 @@ def legacy_topics(gateway_id: str, downlink: DownlinkSettings) -> tuple[str, str
 
 
 def message_kind(headers: Mapping[str, str]) -> str | Refused:
-    """Trust boundary for the ``kind`` header: `KIND_COMMAND`, `KIND_CONFIG`,
-    or why the message is refused (missing, or another value).  Never raises."""
+    """Trust boundary for the ``kind`` header: one of `KINDS`, or why the
+    message is refused (missing, or another value).  Never raises."""
     kind = headers.get(KIND_HEADER)
     if kind in KINDS:
         return kind
+    expected = ", ".join(repr(k) for k in KINDS)
     if kind is None:
-        detail = f"no {KIND_HEADER!r} header (expected {KIND_COMMAND!r} or {KIND_CONFIG!r})"
-    else:
-        shown = printable(str(kind), 80)
-        detail = f"{KIND_HEADER!r} header is '{shown}', not {KIND_COMMAND!r} or {KIND_CONFIG!r}"
+        return Refused(INVALID_COMMAND, f"no {KIND_HEADER!r} header (expected one of {expected})")
+    detail = f"{KIND_HEADER!r} header is '{printable(str(kind), 80)}', not one of {expected}"
     return Refused(INVALID_COMMAND, printable(detail))
 
 

@@ -22,6 +22,8 @@ from typing import Final
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
+from ..ota.cloud import CloudRequests
+from ..ota.metrics import ota_metrics
 from ..stages import DeadLetterSink, ReturnPathHost
 from ..uplink.protocol import CommandSource, UplinkError
 from .commands import Ack, parse_ack, printable
@@ -147,7 +149,13 @@ class Downlink:
         self.acks = AckListener(s, inbox, host.metrics, host.dead_letters)
         self.restorer = Restorer(inbox, self.deliverer)
         self.poll = ReturnPoll(
-            s, source, inbox, host.dead_letters, host.metrics, on_stored=self.deliverer.wake
+            s,
+            source,
+            inbox,
+            host.dead_letters,
+            host.metrics,
+            on_stored=self.deliverer.wake,
+            ota=CloudRequests(s, ota_metrics(host.metrics)),  # board updates ride the return topic
         )
 
     def reconfigure(self, settings: Settings) -> None:

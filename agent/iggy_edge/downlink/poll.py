@@ -3,50 +3,38 @@
 * Reads ``{return_topic}.{gateway}`` in stream ``{stream_prefix}-{n}``
   (commands.py, "Addressing") through `CommandSource`: one partition, from
   the offset after the last one stored in SQLite.  Each message's ``kind``
-  header says whether it is a command or a desired config (`message_kind`,
-  untrusted: a missing or unknown kind is a dead letter, reason
-  ``invalid_command``).  After an upgrade from the two-topic scheme, what is
-  pending in the old topics is read first, once (legacy.py).
+  header says command, config or board update (`message_kind`, untrusted: a
+  missing or unknown kind is a dead letter, ``invalid_command``).  An ``ota``
+  message goes to the `OtaSink` (ota/cloud.py): stored durably before the
+  offset is committed, or refused with a reason (a dead letter).  After an
+  upgrade, what is pending in the two-topic scheme is read first (legacy.py).
 * Each poll's messages and the new offset are committed in one transaction
-  (inbox.py); only then is the offset mirrored to the Iggy server, bounded by
-  `mirror_timeout_s` and best effort: a failed mirror is retried on the next
-  round, and a mirror that lags never loses or repeats a command because
-  SQLite, not the server, says where to resume.
-* Every payload goes through the trust-boundary functions `read_command` /
-  `read_config` (commands.py), which never raise: a payload that is not a
-  valid command/config -- not JSON, a bad field, unencodable, too deep, a
-  number too big -- is dead-lettered (reason ``invalid_command``) and its
-  offset is consumed like any other, so one bad message cannot block the
-  partition.  So is one the inbox insert refuses for its own values
-  (`RowRefused`; the rest of the batch is stored), and a config for a device
-  beyond ``max_config_devices`` (reason ``too_many_config_devices``).  A
-  dead letter is committed first, on the outbox's connection (the
-  `DeadLetterSink` it is given); a crash before the offset commit re-reads
-  the message and may dead-letter it a second time (never loses it).
+  (inbox.py); only then is the offset mirrored to the server (bounded by
+  `mirror_timeout_s`, best effort, retried next round: SQLite, not the
+  server, says where to resume).
+* Every payload goes through `read_command` / `read_config` (commands.py,
+  the trust boundary, never raising): an invalid one is dead-lettered
+  (reason ``invalid_command``) and its offset consumed like any other, so
+  one bad message cannot block the partition.  So is one the inbox insert refuses (`RowRefused`; the rest of
+  the batch is stored), and a config for a device beyond
+  ``max_config_devices`` (reason ``too_many_config_devices``).  A dead letter
+  is committed first (the outbox's `DeadLetterSink`); a crash before the
+  offset commit re-reads it and may dead-letter it twice (never loses it).
 * Backpressure: when `max_inbox` commands wait for delivery, the poll
   consumes no further command: it stops at the first one (configs before it
   are taken); it and everything after it stay in Iggy, in order, and the
   pause is counted (``iggy_edge_downlink_inbox_full``).
-* The agent never creates the topic (the cloud side provisions it, with the
-  gateway's Iggy user: cloud/provision.py).  At start it looks at it once: a
-  missing topic is an error naming the provisioning command, retried with
-  backoff; a topic of more than one partition is a warning (only partition 0
-  is read).
-* Iggy down: polls fail (bounded by the adapter), are counted and retried
-  with backoff; delivery of what is already in the inbox goes on.  A long
-  backoff is spent probing the nodes (`probe.py`, a TCP connect every
-  0.5-1 s), so polling resumes within about a second of the link returning.
+* The agent never creates the topic (cloud/provision.py); a missing one, seen
+  at start, is an error naming the provisioning command, retried.
+* Iggy down: polls fail (bounded), are counted and retried with backoff spent
+  probing (`probe.py`); delivery from the inbox goes on.
 
-Cadence (what it costs the Iggy server): with one partition a poll is the
-cheapest look there is (an empty poll and a GET_TOPIC cost the server about
-the same), so the return poll just polls.  Quiet, it polls every
-``poll_interval_s`` (1.0 s: one request per second; a command waits up to
-that for its poll), measured start to start so the rate holds exactly.
-Commands come in bursts, so for ``HOT_INTERVALS`` poll intervals after a
-round that got a message it polls ``HOT_POLLS_PER_INTERVAL`` times per
-interval (every 50 ms at the default); while messages come in, a round
-follows the previous one at once.  bench/command_latency_bench.py prints
-the requests per second and the latencies.
+Cadence: a poll of one partition is the cheapest look there is, so it just
+polls (board updates ride along: no request of their own).  Quiet, every
+``poll_interval_s`` (1.0 s: one request/s), measured start to start.
+Commands come in bursts: for ``HOT_INTERVALS`` intervals after a round that
+got a message it polls ``HOT_POLLS_PER_INTERVAL`` times per interval; while
+messages come in, a round follows at once (bench/command_latency_bench.py).
 """
 
 from __future__ import annotations
@@ -55,7 +43,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from ..backoff import backoff_delay
 from ..config import Settings
@@ -68,6 +56,7 @@ from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkR
 from .commands import (
     INVALID_COMMAND,
     KIND_COMMAND,
+    KIND_OTA,
     Command,
     CommandState,
     DesiredConfig,
@@ -93,6 +82,12 @@ class ReturnTopicMissing(UplinkRejected):
     """The gateway's return-path topic is not on the server (not provisioned)."""
 
 
+class OtaSink(Protocol):
+    """Takes a ``kind = ota`` message: stored durably (None) or refused."""
+
+    async def take(self, payload: bytes, stream: str, topic: str, offset: int) -> Refused | None: ...
+
+
 class ReturnPoll:
     def __init__(
         self,
@@ -103,6 +98,7 @@ class ReturnPoll:
         metrics: Metrics,
         *,
         on_stored: Callable[[], None] = lambda: None,
+        ota: OtaSink | None = None,
     ) -> None:
         self.reconfigure(settings)
         self._source = source
@@ -110,6 +106,7 @@ class ReturnPoll:
         self._dead_letters = dead_letters
         self._metrics = metrics
         self._on_stored = on_stored
+        self._ota = ota
         self._limited = RateLimitedLog(log)
         rt = return_topic(settings)
         self.main = Partition(rt.stream, rt.topic, rt.partition, None)
@@ -315,6 +312,11 @@ class ReturnPoll:
             got: Command | DesiredConfig | Refused
             if isinstance(kind, Refused):
                 got = kind
+            elif kind == KIND_OTA:
+                taken = await self._take_ota(part, m)
+                if taken is not None:
+                    await self._dead_letter(part, m, taken.reason, taken.detail)
+                continue
             elif kind == KIND_COMMAND:
                 got = read_command(m.payload, now=now, default_ttl_s=self._dl.default_ttl_s)
             else:
@@ -344,6 +346,11 @@ class ReturnPoll:
         if result.new or result.configs:
             self._on_stored()
         return consumed, len(commands)
+
+    async def _take_ota(self, part: Partition, m: PolledMessage) -> Refused | None:
+        if self._ota is None:
+            return Refused(INVALID_COMMAND, "a board update ('ota'), and this agent runs no updater")
+        return await self._ota.take(m.payload, part.stream, part.topic, m.offset)
 
     async def _store(
         self,

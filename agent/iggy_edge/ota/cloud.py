@@ -1,24 +1,32 @@
-"""Updates requested by the cloud side through Iggy (docs/return-path.md,
-"Board updates").
+"""Updates requested by the cloud side through the return path
+(docs/return-path.md, "Board updates from the cloud side").
 
-The cloud side writes to this gateway's own topic ``ota.{gateway_id}``
-(stream `downlink.stream`, partition 0), in order: the artifact's bundle
-(artifact.py) as chunk messages, then the request that names it by its
-sha256.  Every message is one JSON header line, ``\\n``, then (chunks
-only) the bytes:
+The cloud side writes to the gateway's one return-path topic
+(`return_topic_of`: ``return.<gw>`` in stream ``edge-rp-<n>``, partition 0;
+`send_update` does it), each message with the user header ``kind = ota``,
+in order: the artifact's bundle (artifact.py) as chunk messages, then the
+request that names it by its sha256.  Every message is one JSON header
+line, ``\\n``, then (chunks only) the bytes:
 
 * ``{"t":"chunk","artifact":SHA,"i":k,"n":N,"h":SHA_OF_THESE_BYTES}``
   (`CLOUD_CHUNK_BYTES` at most; k from 0 to N-1),
 * ``{"t":"update","artifact":SHA,"devices":[...],"canary":C,"max_failures":F}``.
 
-Untrusted: each chunk is checked against its ``h``, the whole bundle
-against the artifact's sha256 and every bound (artifact.from_bundle),
-before it is kept; a bad message is logged, counted and skipped.  Read
-with a look first (the topic's newest offset) and a poll only when there is
-news, every 5 s while idle.  At most
-`MAX_ASSEMBLING` artifacts are put together at once (the oldest goes).  The
-offset is kept in ota.db only when no artifact is half read, so a restart
-reads the chunks of an unfinished one again.
+The return poll (downlink/poll.py) reads them with the commands and configs,
+in the same polls (no request of its own), and hands each to
+`CloudRequests.take`, which stores it in ``ota.db`` (committed) before the
+poll commits the offset: a crash re-reads it, and the offset kept with it
+here (`ota_cloud_offset`) says it was taken, so nothing is lost or taken
+twice.  Untrusted: each chunk is checked against its ``h``, the whole bundle
+against the artifact's sha256 and every bound (artifact.from_bundle) before
+the artifact is kept; a bad message is refused with a reason (the poll
+dead-letters it), counted and logged rate-limited, and never stops the poll.
+
+Bounds (policy): a chunk of at most `CLOUD_CHUNK_BYTES`, at most enough
+chunks for the artifact bound; at most `MAX_ASSEMBLING` artifacts half
+received at once, their chunks on disk (``ota_cloud_chunks``): a chunk of a
+further one drops the oldest unfinished one (counted as
+``iggy_edge_ota_bound_hits_total{bound="assembling"}``, logged).
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Final
+import sqlite3
+import time
+from typing import Any, Final, Protocol
 
-from ..config import Settings
+from ..config import DownlinkSettings, Settings
 from ..device_ids import device_id_problem
+from ..downlink.commands import KIND_HEADER, KIND_OTA, Refused, printable, return_topic_of
 from ..logs import RateLimitedLog
-from ..uplink.protocol import CommandSource, UplinkError, UplinkRejected
 from . import requests as req
 from .artifact import MAX_ARTIFACT_BYTES, Artifact, ArtifactError, from_bundle
 from .metrics import OtaMetrics
@@ -41,16 +51,19 @@ log = logging.getLogger(__name__)
 
 CLOUD_CHUNK_BYTES: Final = 60 * 1024
 MAX_ASSEMBLING: Final = 2
-POLL_BATCH: Final = 16
-PARTITION: Final = 0
-LOOK_INTERVAL_S: Final = 5.0  # requests are not latency-critical
-_OFFSETS = (
-    "CREATE TABLE IF NOT EXISTS ota_cloud_offset (topic TEXT PRIMARY KEY, last_offset INTEGER NOT NULL)"
-)
+INVALID_OTA: Final = "invalid_ota"  # dead-letter reason: not a usable ota message
+OTA_BOARD_BUSY: Final = "ota_board_busy"  # dead-letter reason: a named board has an active update
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS ota_cloud_offset (topic TEXT PRIMARY KEY, last_offset INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS ota_cloud_chunks (
+    artifact TEXT NOT NULL, i INTEGER NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (artifact, i));
+"""
 
 
-def ota_topic(settings: Settings) -> str:
-    return f"ota.{settings.gateway_id}"
+def cloud_headers() -> dict[str, str]:
+    """The Iggy user headers of every message `cloud_messages` makes."""
+    return {KIND_HEADER: KIND_OTA}
 
 
 def _line(doc: dict[str, Any]) -> bytes:
@@ -67,18 +80,37 @@ def cloud_messages(
         _line({"t": "chunk", "artifact": art.id, "i": i, "n": len(parts), "h": sha256_hex(p)}) + p
         for i, p in enumerate(parts)
     ]
-    out.append(
-        _line(
-            {
-                "t": "update",
-                "artifact": art.id,
-                "devices": devices,
-                "canary": canary,
-                "max_failures": max_failures,
-            }
-        )
-    )
+    request = {"t": "update", "artifact": art.id, "devices": devices}
+    out.append(_line({**request, "canary": canary, "max_failures": max_failures}))
     return out
+
+
+class Sink(Protocol):
+    async def publish(
+        self,
+        stream: str,
+        topic: str,
+        partition_id: int,
+        payload: bytes,
+        headers: dict[str, str] | None = None,
+    ) -> int | None: ...
+
+
+async def send_update(
+    sink: Sink,
+    gateway_id: str,
+    downlink: DownlinkSettings,
+    art: Artifact,
+    devices: list[str],
+    *,
+    canary: int = 0,
+    max_failures: int = 0,
+) -> list[int | None]:
+    """The cloud side's writer: `cloud_messages` to the gateway's return-path
+    topic (the addressing of ``command send``) with ``kind = ota``; the offsets."""
+    rt = return_topic_of(gateway_id, downlink)
+    msgs = cloud_messages(art, devices, canary=canary, max_failures=max_failures)
+    return [await sink.publish(rt.stream, rt.topic, rt.partition, m, cloud_headers()) for m in msgs]
 
 
 def waves(devices: list[str], canary: int) -> list[list[str]]:
@@ -87,111 +119,137 @@ def waves(devices: list[str], canary: int) -> list[list[str]]:
     return [devices]
 
 
+class _Refusal(Exception):
+    def __init__(self, detail: str, reason: str = INVALID_OTA, bound: str = "artifact") -> None:
+        super().__init__(detail)
+        self.reason, self.bound = reason, bound
+
+
 class CloudRequests:
+    """The return poll's `OtaSink`: ``kind = ota`` messages -> ``ota.db``."""
+
     def __init__(
-        self,
-        settings: Settings,
-        source: CommandSource,
-        metrics: OtaMetrics,
-        max_artifact_bytes: int = MAX_ARTIFACT_BYTES,
+        self, settings: Settings, metrics: OtaMetrics, max_artifact_bytes: int = MAX_ARTIFACT_BYTES
     ) -> None:
-        self._stream = settings.downlink.stream
-        self._topic = ota_topic(settings)
         self._db = req.db_path(settings.state_dir)
-        self._source = source
         self._m = metrics
         self._max = max_artifact_bytes
-        self._interval = settings.downlink.poll_interval_s
-        self._parts: dict[str, dict[int, bytes]] = {}  # artifact -> chunk index -> bytes
         self._limited = RateLimitedLog(log)
 
-    async def run(self) -> None:
-        """Look (the topic's newest offset), poll only when there is news, every
-        `LOOK_INTERVAL_S` while idle: an idle gateway costs Iggy one small
-        request per interval, and none of the return poll's cadence."""
-        last = await asyncio.to_thread(self._load_offset)
-        looks = True  # False once the server refused a look: poll instead
-        while True:
-            try:
-                if looks and not await self._news(last):
-                    await asyncio.sleep(LOOK_INTERVAL_S)
-                    continue
-            except UplinkRejected as e:  # a user that may poll but not read topic details
-                looks = False
-                log.info(
-                    "ota: %s/%s: the look was refused (%s); polling instead", self._stream, self._topic, e
-                )
-            except UplinkError as e:
-                self._limited.warning(
-                    "ota-cloud-look", "ota: cannot look at %s/%s: %s", self._stream, self._topic, e
-                )
-                await asyncio.sleep(LOOK_INTERVAL_S)
-                continue
-            try:
-                messages = await self._source.poll(self._stream, self._topic, PARTITION, last + 1, POLL_BATCH)
-            except UplinkError as e:  # with looks off, a missing topic says so here
-                self._limited.warning(
-                    "ota-cloud-poll", "ota: cannot read %s/%s: %s", self._stream, self._topic, e
-                )
-                await asyncio.sleep(LOOK_INTERVAL_S)
-                continue
-            for m in messages:
-                await self._take(m.payload, m.offset)
-                last = m.offset
-                if not self._parts:
-                    await asyncio.to_thread(self._store_offset, last)
-            if len(messages) < POLL_BATCH:
-                await asyncio.sleep(self._interval if self._parts else LOOK_INTERVAL_S)
+    async def take(self, payload: bytes, stream: str, topic: str, offset: int) -> Refused | None:
+        """Store one message durably (None) or say why it is refused; never
+        raises for what the message holds (a disk fault propagates, and the
+        poll does not commit the offset)."""
+        return await asyncio.to_thread(self._take, payload, f"{stream}/{topic}", offset)
 
-    async def _news(self, last: int) -> bool:
-        newest = await self._source.last_offsets(self._stream, self._topic)
-        return newest is not None and newest.get(PARTITION, -1) > last
+    def _take(self, payload: bytes, where: str, offset: int) -> Refused | None:
+        conn = req.connect(self._db)
+        try:
+            conn.executescript(_SCHEMA)
+            row = conn.execute(
+                "SELECT last_offset FROM ota_cloud_offset WHERE topic = ?", (where,)
+            ).fetchone()
+            if row is not None and offset <= int(row[0]):
+                return None  # taken before a crash made the poll read it again
+            try:
+                self._handle(conn, payload, where, offset)
+            except _Refusal as e:
+                self._offset(conn, where, offset)
+                self._m.bounds.labels(e.bound).inc()
+                self._limited.warning(
+                    f"ota-cloud:{e.reason}", "ota: %s offset %d refused: %s", where, offset, e
+                )
+                return Refused(e.reason, printable(str(e)))
+            return None
+        finally:
+            conn.close()
 
-    async def _take(self, payload: bytes, offset: int) -> None:
+    @staticmethod
+    def _offset(conn: sqlite3.Connection, where: str, offset: int) -> None:
+        conn.execute("INSERT OR REPLACE INTO ota_cloud_offset VALUES (?, ?)", (where, offset))
+
+    def _handle(self, conn: sqlite3.Connection, payload: bytes, where: str, offset: int) -> None:
         head, _, body = payload.partition(b"\n")
         try:
             doc = json.loads(head)
-            kind = doc["t"]
-            if kind == "chunk":
-                await self._chunk(doc, body)
-            elif kind == "update":
-                await self._update(doc)
-            else:
-                raise ValueError(f"unknown kind {str(kind)[:20]!r}")  # noqa: TRY301
-        except (ValueError, KeyError, TypeError, req.BoardBusy) as e:
-            self._m.bounds.labels("board_busy" if isinstance(e, req.BoardBusy) else "artifact").inc()
-            self._limited.warning(
-                "ota-cloud", "ota: %s/%s offset %d refused: %s", self._stream, self._topic, offset, e
-            )
+            kind = doc["t"] if isinstance(doc, dict) else None
+        except (ValueError, KeyError) as e:
+            raise _Refusal(f"not an ota message: {type(e).__name__}") from None
+        if kind == "chunk":
+            self._chunk(conn, doc, body, where, offset)
+        elif kind == "update":
+            self._update(conn, doc, where, offset)
+        else:
+            raise _Refusal(f"unknown ota message {str(kind)[:20]!r} (expected 'chunk' or 'update')")
 
-    async def _chunk(self, doc: dict[str, Any], body: bytes) -> None:
-        aid, i, n, h = str(doc["artifact"]), doc["i"], doc["n"], doc["h"]
+    def _chunk(
+        self, conn: sqlite3.Connection, doc: dict[str, Any], body: bytes, where: str, offset: int
+    ) -> None:
+        aid, i, n, h = doc.get("artifact"), doc.get("i"), doc.get("n"), doc.get("h")
+        if not (isinstance(aid, str) and len(aid) == 64 and isinstance(h, str)):
+            raise _Refusal("a chunk needs 'artifact' (a sha256) and 'h'")
         if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n) or n * CLOUD_CHUNK_BYTES > 2 * (
             self._max + 8192
         ):
-            raise ValueError("bad chunk index or count")
+            raise _Refusal("bad chunk index or count")
         if len(body) > CLOUD_CHUNK_BYTES or sha256_hex(body) != h:
-            raise ValueError(f"chunk {i} of artifact {aid[:12]}: sha256 mismatch or too long")
-        parts = self._parts.setdefault(aid, {})
-        while len(self._parts) > MAX_ASSEMBLING:
-            dropped = next(iter(self._parts))
-            del self._parts[dropped]
-            self._m.bounds.labels("artifact").inc()
-            log.warning(
-                "ota: dropped the unfinished artifact %s (at most %d at once)", dropped[:12], MAX_ASSEMBLING
-            )
-        parts[i] = body
-        if len(parts) < n:
-            return
-        bundle = b"".join(parts[k] for k in range(n))
-        del self._parts[aid]
-        if sha256_hex(bundle) != aid:
-            raise ValueError(f"artifact {aid[:12]}: the bundle's sha256 differs")
+            raise _Refusal(f"chunk {i} of artifact {aid[:12]}: sha256 mismatch or too long")
+        conn.execute("BEGIN IMMEDIATE")
         try:
-            art = from_bundle(bundle, max_bytes=self._max)
-        except ArtifactError as e:
-            raise ValueError(f"artifact {aid[:12]}: {e}") from None
-        await asyncio.to_thread(self._put, art)
+            known = conn.execute(
+                "SELECT n FROM ota_cloud_chunks WHERE artifact = ? LIMIT 1", (aid,)
+            ).fetchone()
+            if known is not None and int(known[0]) != n:
+                raise _Refusal(f"chunk {i} of artifact {aid[:12]}: n = {n}, its other chunks say {known[0]}")  # noqa: TRY301
+            if known is None:
+                self._evict(conn)
+            conn.execute(
+                "INSERT OR REPLACE INTO ota_cloud_chunks VALUES (?, ?, ?, ?, ?)",
+                (aid, i, n, body, time.time()),
+            )
+            held = conn.execute(
+                "SELECT COUNT(*) FROM ota_cloud_chunks WHERE artifact = ?", (aid,)
+            ).fetchone()[0]
+            if held < n:
+                self._offset(conn, where, offset)  # with the chunk: taken
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if held == n:  # the offset only once the artifact is kept: a crash before re-reads this chunk
+            parts = conn.execute(
+                "SELECT data FROM ota_cloud_chunks WHERE artifact = ? ORDER BY i", (aid,)
+            ).fetchall()
+            self._assemble(conn, aid, b"".join(p[0] for p in parts))
+            self._offset(conn, where, offset)
+
+    def _evict(self, conn: sqlite3.Connection) -> None:
+        """A new artifact: drop the oldest unfinished ones beyond MAX_ASSEMBLING - 1."""
+        old = conn.execute(
+            "SELECT artifact FROM ota_cloud_chunks GROUP BY artifact ORDER BY MIN(at) DESC LIMIT -1 OFFSET ?",
+            (MAX_ASSEMBLING - 1,),
+        ).fetchall()
+        for (dropped,) in old:
+            conn.execute("DELETE FROM ota_cloud_chunks WHERE artifact = ?", (dropped,))
+            self._m.bounds.labels("assembling").inc()
+            self._limited.warning(
+                "ota-cloud-assembling",
+                "ota: dropped the unfinished artifact %s (at most %d half received at once)",
+                dropped[:12],
+                MAX_ASSEMBLING,
+            )
+
+    def _assemble(self, conn: sqlite3.Connection, aid: str, bundle: bytes) -> None:
+        try:
+            if sha256_hex(bundle) != aid:
+                raise _Refusal(f"artifact {aid[:12]}: the bundle's sha256 differs")
+            try:
+                art = from_bundle(bundle, max_bytes=self._max)
+            except ArtifactError as e:
+                raise _Refusal(f"artifact {aid[:12]}: {e}") from None
+            req.put_artifact(conn, art)
+        finally:
+            conn.execute("DELETE FROM ota_cloud_chunks WHERE artifact = ?", (aid,))
         log.info(
             "ota: artifact %s (version %s, %d bytes) received from the cloud side",
             aid[:12],
@@ -199,52 +257,30 @@ class CloudRequests:
             art.total,
         )
 
-    async def _update(self, doc: dict[str, Any]) -> None:
-        devices = doc["devices"]
+    def _update(self, conn: sqlite3.Connection, doc: dict[str, Any], where: str, offset: int) -> None:
+        aid, devices = doc.get("artifact"), doc.get("devices")
+        canary, max_failures = doc.get("canary", 0), doc.get("max_failures", 0)
+        if not isinstance(aid, str):
+            raise _Refusal("an update needs 'artifact'")
         if not isinstance(devices, list) or not all(
             isinstance(d, str) and device_id_problem(d) is None for d in devices
         ):
-            raise ValueError("devices must be a list of device ids")
-        canary, max_failures = int(doc.get("canary", 0)), int(doc.get("max_failures", 0))
-        done = await asyncio.to_thread(
-            self._request, str(doc["artifact"]), waves(devices, canary), max_failures
-        )
-        log.info("ota: the cloud side requested rollout %s on %d board(s)", done.rollout, len(done.updates))
-
-    # -- ota.db, in a thread ------------------------------------------------------
-
-    def _conn(self) -> Any:
-        conn = req.connect(self._db)
-        conn.execute(_OFFSETS)
-        return conn
-
-    def _load_offset(self) -> int:
-        conn = self._conn()
-        try:
-            row = conn.execute(
-                "SELECT last_offset FROM ota_cloud_offset WHERE topic = ?", (self._topic,)
-            ).fetchone()
-            return -1 if row is None else int(row[0])
-        finally:
-            conn.close()
-
-    def _store_offset(self, offset: int) -> None:
-        conn = self._conn()
-        try:
-            conn.execute("INSERT OR REPLACE INTO ota_cloud_offset VALUES (?, ?)", (self._topic, offset))
-        finally:
-            conn.close()
-
-    def _put(self, art: Artifact) -> None:
-        conn = self._conn()
-        try:
-            req.put_artifact(conn, art)
-        finally:
-            conn.close()
-
-    def _request(self, aid: str, w: list[list[str]], max_failures: int) -> req.Requested:
-        conn = self._conn()
-        try:
-            return req.request(conn, aid, w, max_failures=max_failures, source="cloud")
-        finally:
-            conn.close()
+            raise _Refusal("devices must be a list of device ids")
+        if not all(
+            isinstance(x, int) and 0 <= x <= req.MAX_DEVICES_PER_REQUEST for x in (canary, max_failures)
+        ):
+            raise _Refusal("canary and max_failures must be whole numbers from 0")
+        source = f"cloud {where}@{offset}"
+        if conn.execute("SELECT 1 FROM ota_rollouts WHERE source = ?", (source,)).fetchone() is None:
+            try:
+                done = req.request(
+                    conn, aid, waves(devices, canary), max_failures=max_failures, source=source
+                )
+            except req.BoardBusy as e:
+                raise _Refusal(str(e), OTA_BOARD_BUSY, "board_busy") from None
+            except ValueError as e:
+                raise _Refusal(str(e)) from None
+            log.info(
+                "ota: the cloud side requested rollout %s on %d board(s)", done.rollout, len(done.updates)
+            )
+        self._offset(conn, where, offset)

@@ -1,5 +1,6 @@
 """The updater as one runtime component (runtime.COMPONENTS): ``ota.db``,
-the updater, its MQTT link and, with a command source, the cloud path.
+the updater and its MQTT link.  The cloud path is the return poll's
+(downlink/poll.py hands ``kind = ota`` messages to ota/cloud.py).
 
 It sees the agent as a `stages.UpdateHost`: ingest hands it every ``up/ota``
 message (never stored as a reading) and every committed message (a board's
@@ -14,7 +15,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from ..stages import UpdateHost
-from .cloud import CloudRequests
 from .link import Link
 from .metrics import ota_metrics
 from .requests import db_path
@@ -38,14 +38,10 @@ async def run_updates(host: UpdateHost, limits: Limits | None = None) -> None:
     link = Link(s, connected)
     updater = Updater(s, state, link.publish, metrics, limits, link.wanted)
     stops = [host.observe_ota(updater.observe_reply), host.observe_ingest(updater.observe_ingest)]
-    source = host.command_source
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(updater.run(), name="ota-updater")
             tg.create_task(link.run(), name="ota-link")
-            if source is not None and s.downlink.enabled:
-                cloud = CloudRequests(s, source, metrics, limits.max_artifact_bytes)
-                tg.create_task(cloud.run(), name="ota-cloud")
     finally:
         for stop in stops:
             with contextlib.suppress(Exception):

@@ -13,7 +13,7 @@ from ..metrics import Metrics
 OUTCOMES: Final = ("done", "rolled_back", "failed", "cancelled")
 RESEND_WHY: Final = ("timeout", "bad_chunk", "reconnect", "board_idle")
 REPLY_KINDS: Final = ("ok", "garbage", "stale", "no_update", "duplicate")
-BOUNDS: Final = ("concurrent", "artifact", "board_busy", "reply_queue", "bad_chunks", "offers")
+BOUNDS: Final = ("concurrent", "artifact", "board_busy", "reply_queue", "bad_chunks", "offers", "assembling")
 
 
 class OtaMetrics:
