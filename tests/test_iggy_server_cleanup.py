@@ -104,6 +104,8 @@ def test_no_node_survives_its_parent(tmp_path: Path, sig: signal.Signals, phase:
         if child.poll() is None:
             child.kill()
             child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
         for p in pids:  # never leave one behind, whatever the result
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
