@@ -1,5 +1,5 @@
 """What one gateway costs the Iggy server, cut (issue 23): one connection
-for the uplink and the return path, a heartbeat every 30 s, a token login,
+for the uplink and the return path, a heartbeat every 60 s, a token login,
 a start-up jitter for the first connect, and lane connections that close
 when idle.
 
@@ -109,7 +109,7 @@ async def test_heartbeat_every_30_s_and_a_token_login_instead_of_the_password(
 ) -> None:
     up = IggyUplink(_settings(tmp_path).iggy, "gw-1")
     await up.start()
-    assert fake.configs[0].heartbeat_interval == timedelta(seconds=30)
+    assert fake.configs[0].heartbeat_interval == timedelta(seconds=60)
     assert fake.calls[:2] == [(0, "connect"), (0, "login_user")]
     assert "disabled" in repr(fake.configs[0].auto_login).lower()
 

@@ -131,7 +131,7 @@ class IggySettings(_Model):
     uplink_connections: Annotated[int, Field(ge=1, le=64)] = 16
     # The SDK pings the server this often on every connection (each ping is a
     # request); any request also counts as liveness for the server.
-    heartbeat_interval_s: Annotated[float, Field(ge=1, le=3600)] = 30.0
+    heartbeat_interval_s: Annotated[float, Field(ge=1, le=3600)] = 60.0
     # The first connect of the agent waits a random 0..start_jitter_s, so a
     # fleet starting together (power returning to a site, a rollout) does not
     # log in all at once; later reconnects use the jittered backoff.

@@ -52,7 +52,10 @@ What a connection costs the server (issue 23, docs/scaling.md)
     * A heartbeat every ``heartbeat_interval_s`` (the SDK pings on its own
       task whatever else the connection carries; the server counts any
       request as liveness and evicts a silent client only if it is in a
-      consumer group, which ours never are).  30 s instead of the SDK's 5 s.
+      consumer group, which ours never are).  60 s instead of the SDK's
+      5 s: the return poll already makes a request a second; a ping a
+      minute keeps an idle connection (return path off) known to NATs and
+      firewalls.
     * One connection can carry several callers at once: the SDK takes the
       socket for one request and its answer at a time (lockstep), so
       concurrent calls queue in order instead of interleaving.  The agent
