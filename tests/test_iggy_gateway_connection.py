@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from apache_iggy import TcpConfig
 from iggy_edge.config import IggySettings, parse_config
+from iggy_edge.downlink.commands import return_topic
 from iggy_edge.records import OutboundRecord
 from iggy_edge.uplink import factory
 from iggy_edge.uplink.iggy import IggyUplink
@@ -192,6 +193,11 @@ async def test_a_token_login_and_one_shared_connection_on_a_real_server(
 ) -> None:
     token = await _create_token(iggy_server)
     settings = _settings(tmp_path, address=iggy_server.address, password=None, token=token)
+    rt = return_topic(settings)
+    root = _settings(tmp_path, address=iggy_server.address, password=iggy_server.password)
+    admin = IggyUplink(root.iggy, "cloud", topics=[(rt.stream, rt.topic)])
+    await admin.start()  # the return-path topic exists (provisioning's job)
+    await admin.close()
     uplink, source = factory.make_uplink_and_source(settings)
     assert uplink is not None
     assert source is not None
@@ -199,7 +205,7 @@ async def test_a_token_login_and_one_shared_connection_on_a_real_server(
         await uplink.start()
         # Both directions at once on the one SDK client: the SDK queues them.
         batch = [_rec(i, f"d{i % 7}") for i in range(1, 200)]
-        polls = [source.poll("edge", "commands.gw-1", p, 0, 10) for p in range(3)]
+        polls = [source.poll(rt.stream, rt.topic, 0, 0, 10) for _ in range(3)]
         sends = [uplink.send(batch[i::4]) for i in range(4)]
         results = await asyncio.gather(*polls, *sends)
         assert results[:3] == [[], [], []]
