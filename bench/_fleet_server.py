@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import struct
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,11 +16,9 @@ from iggy_edge.cloud.provision import provision_gateway
 from iggy_edge.config import IggySettings, parse_config
 from iggy_edge.downlink.commands import make_command, return_topic_of
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyProbe
-from iggy_edge.uplink.iggy.connection import Connection
+from iggy_edge.uplink.iggy.connection import Connection, create_personal_access_token
 from iggy_edge.uplink.protocol import UplinkError
 from pydantic import SecretStr
-
-CREATE_PERSONAL_ACCESS_TOKEN_CODE = 42
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -111,16 +108,10 @@ async def provision(
 
 
 async def create_token(user: IggySettings, name: str) -> str:
-    """A personal access token of `user`, no expiry (raw
-    CREATE_PERSONAL_ACCESS_TOKEN: name u8+bytes, expiry u64 LE; answer u8+bytes)."""
+    """A personal access token of `user`, no expiry."""
     conn = Connection(user, "token")
     try:
-        client = await conn.client()
-        raw = name.encode()
-        payload = bytes((len(raw),)) + raw + struct.pack("<Q", 0)
-        request = client.send_binary_request(CREATE_PERSONAL_ACCESS_TOKEN_CODE, payload)
-        body = bytes(await conn.call("create token", request))
-        return body[1 : 1 + body[0]].decode()
+        return await create_personal_access_token(conn, name)
     finally:
         await conn.close()
 

@@ -11,7 +11,6 @@ iggy-server.
 from __future__ import annotations
 
 import asyncio
-import struct
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +25,7 @@ from iggy_edge.uplink import factory
 from iggy_edge.uplink.iggy import IggyUplink
 from iggy_edge.uplink.iggy import connection as connection_module
 from iggy_edge.uplink.iggy import send as send_module
-from iggy_edge.uplink.iggy.connection import Connection
+from iggy_edge.uplink.iggy.connection import Connection, create_personal_access_token
 from iggy_edge.uplink.protocol import UplinkUnavailable
 from pydantic import SecretStr
 
@@ -172,17 +171,13 @@ async def test_the_first_lane_uses_the_uplink_connection_and_idle_lanes_close(
 
 
 async def _create_token(server: IggyServer) -> str:
-    """A personal access token of the root user (raw CREATE_PERSONAL_ACCESS_TOKEN:
-    name u8 + bytes, expiry u64 LE, 0 = never; the answer is u8 + the token)."""
+    """A personal access token of the root user."""
     admin = IggySettings(
         kind="iggy", address=server.address, username=server.username, password=SecretStr(server.password)
     )
     conn = Connection(admin, "token")
     try:
-        client = await conn.client()
-        body = bytes((len(b"t1"),)) + b"t1" + struct.pack("<Q", 0)
-        answer = bytes(await conn.call("create token", client.send_binary_request(42, body)))
-        return answer[1 : 1 + answer[0]].decode()
+        return await create_personal_access_token(conn, "t1")
     finally:
         await conn.close()
 

@@ -316,3 +316,26 @@ async def first_reachable(addresses: Sequence[str], timeout: float) -> str | Non
     `timeout` (all tried at once), or None."""
     results = await asyncio.gather(*(_tcp_open(a, timeout) for a in addresses))
     return next((a for a, ok in zip(addresses, results, strict=True) if ok), None)
+
+
+CREATE_PERSONAL_ACCESS_TOKEN_CODE: Final = 42
+
+
+async def create_personal_access_token(conn: Connection, name: str, expiry_s: int = 0) -> str:
+    """A new personal access token of the user `conn` logs in as (the SDK 0.9
+    Python client has no call for it): raw CREATE_PERSONAL_ACCESS_TOKEN, name
+    (u8 length + bytes) and expiry in seconds (u64 LE, 0 = never); the answer
+    is the token (u8 length + bytes).  The server keeps only its hash."""
+    raw = name.encode()
+    if not 1 <= len(raw) <= 255:
+        raise ValueError(f"token name must be 1-255 bytes: {name!r}")
+    client = await conn.client()
+    payload = bytes((len(raw),)) + raw + expiry_s.to_bytes(8, "little")
+    body = bytes(
+        await conn.call(
+            f"create token {name}", client.send_binary_request(CREATE_PERSONAL_ACCESS_TOKEN_CODE, payload)
+        )
+    )
+    if not body or len(body) < 1 + body[0]:
+        raise UplinkRejected(f"iggy {conn.role}: create token {name}: a malformed answer ({len(body)} bytes)")
+    return body[1 : 1 + body[0]].decode()
