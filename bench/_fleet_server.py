@@ -18,7 +18,6 @@ from iggy_edge.downlink.commands import make_command, return_topic_of
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyProbe
 from iggy_edge.uplink.iggy.connection import Connection, create_personal_access_token
 from iggy_edge.uplink.protocol import UplinkError
-from pydantic import SecretStr
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -82,9 +81,9 @@ async def provision(
 ) -> dict[str, dict[str, str]]:
     """Every gateway provisioned as the cloud side does it (`provision_gateway`:
     the shared route topics, the gateway's return-path topic, its user
-    allowed only those), `at_once` at a time; with `tokens` also a personal
-    access token per gateway user, made logged in as that user.  The
-    gateways' credentials: {gateway: {"username", "password"} or {"token"}}."""
+    allowed only those, and with `tokens` its personal access token),
+    `at_once` at a time.  The gateways' credentials: {gateway: {"username",
+    "token" or "password"}}."""
     todo: asyncio.Queue[str] = asyncio.Queue()
     for gw in gateways:
         todo.put_nowait(gw)
@@ -93,13 +92,10 @@ async def provision(
     async def work() -> None:
         while not todo.empty():
             gw = todo.get_nowait()
-            done = await provision_gateway(gateway_settings(gw, admin), gw)
+            done = await provision_gateway(gateway_settings(gw, admin), gw, tokens=tokens)
             assert done.password is not None
-            if tokens:
-                user = admin.model_copy(
-                    update={"username": done.username, "password": SecretStr(done.password)}
-                )
-                creds[gw] = {"token": await create_token(user, "iggy-edge")}
+            if done.token is not None:
+                creds[gw] = {"username": done.username, "token": done.token}
             else:
                 creds[gw] = {"username": done.username, "password": done.password}
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 from apache_iggy import TcpConfig
-from iggy_edge.config import IggySettings, parse_config
+from iggy_edge.cloud.provision import provision_gateway
+from iggy_edge.config import IggySettings, load_config, parse_config
 from iggy_edge.downlink.commands import return_topic
 from iggy_edge.records import OutboundRecord
 from iggy_edge.uplink import factory
@@ -209,6 +210,36 @@ async def test_a_token_login_and_one_shared_connection_on_a_real_server(
         with pytest.raises(UplinkUnavailable, match=r"cannot connect/log in .* with a token"):
             await bad.start()
         await bad.close()
+    finally:
+        await uplink.close()
+        await source.close()
+
+
+@pytest.mark.iggy
+async def test_provisioning_gives_the_gateway_a_token_and_the_agent_logs_in_with_it(
+    iggy_server: IggyServer, tmp_path: Path
+) -> None:
+    admin = _settings(tmp_path, address=iggy_server.address, password=iggy_server.password)
+    done = await provision_gateway(admin, "gw-1")
+    assert done.token
+    toml = done.credentials_toml()
+    assert "token = " in toml
+    assert "password" not in toml, "the gateway needs its token only"
+    (tmp_path / "credentials.toml").write_text(toml)
+    (tmp_path / "config.toml").write_text(
+        f'gateway_id = "gw-1"\nstate_dir = "{tmp_path}"\ncredentials_file = "credentials.toml"\n'
+        f'[iggy]\nkind = "iggy"\naddress = "{iggy_server.address}"\n'
+    )
+    settings = load_config(tmp_path / "config.toml", env={})
+    assert settings.iggy.token is not None
+    assert settings.iggy.password is None
+    uplink, source = factory.make_uplink_and_source(settings)
+    assert uplink is not None
+    assert source is not None
+    try:
+        rt = return_topic(settings)
+        assert await source.poll(rt.stream, rt.topic, 0, 0, 10) == []
+        await uplink.send([_rec(1, "gw-1-dev0")])  # its route topics: send only
     finally:
         await uplink.close()
         await source.close()
