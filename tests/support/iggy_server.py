@@ -473,6 +473,23 @@ class IggyCluster:
             time.sleep(0.2)
         raise TimeoutError(f"no agreed cluster leader after {timeout}s (nodes say {seen})")
 
+    def restart(self, timeout: float = 120.0) -> str:
+        """Stop every node (SIGTERM, a clean shutdown) and start them again
+        on their data (a cluster restart, an upgrade); the new leader."""
+        binary = iggy_server_binary()
+        if binary is None:
+            raise RuntimeError(SKIP_REASON)
+        self.stop()
+        for node in self.nodes:
+            node.launch(binary)
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+            return self.wait_leader(timeout)
+        except (TimeoutError, RuntimeError):
+            self.stop()
+            raise
+
     def node_at(self, address: str) -> IggyServer:
         return next(n for n in self.nodes if n.address == address)
 
