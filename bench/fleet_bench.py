@@ -207,9 +207,12 @@ def run_fleet(
     args: argparse.Namespace,
     workdir: Path,
     restart: Callable[[], list[int]] | None = None,
+    leader: str | None = None,
 ) -> None:
     n = args.gateways
-    admin = admin_settings(nodes)
+    # The cloud side dials the leader first: a login on a follower is
+    # verified there and again on the leader the SDK then moves to.
+    admin = admin_settings(sorted(nodes, key=lambda a: a != leader))
     emit(
         BENCH,
         "server_rss_idle",
@@ -538,7 +541,13 @@ def main() -> None:
                     return [node.proc.pid for node in cluster.nodes if node.proc is not None]
 
                 run_fleet(
-                    "cluster", pids, cluster.addresses, args, workdir, restart if args.restart else None
+                    "cluster",
+                    pids,
+                    cluster.addresses,
+                    args,
+                    workdir,
+                    restart if args.restart else None,
+                    cluster.wait_leader(60),
                 )
             finally:
                 cluster.stop()
