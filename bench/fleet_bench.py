@@ -77,6 +77,8 @@ from _fleet_server import (
     topic_count,
 )
 from iggy_edge.config import IggySettings
+from iggy_edge.uplink.iggy import IggyCommandSink
+from iggy_edge.uplink.protocol import UplinkError
 from pydantic import SecretStr
 
 from tests.support.iggy_server import (
@@ -446,7 +448,8 @@ def run_fleet(
                 round(pct(lat, 0.5), 1),
                 "ms",
                 target=target,
-                commands=len(sent),
+                commands=len(chosen),
+                published=len(sent),
                 arrived=len(lat),
                 every_s=args.command_every,
             )
@@ -473,16 +476,17 @@ def run_fleet(
 
 
 async def publish_commands(admin: IggySettings, gateways: list[str], every: float) -> dict[str, float]:
-    from iggy_edge.uplink.iggy import IggyCommandSink  # noqa: PLC0415
-
+    """One command to each gateway, `every` seconds apart; {gateway: sent at}
+    for those the cluster took (a cluster that does not answer is counted,
+    not fatal: the figures say how many arrived)."""
     sink = IggyCommandSink(admin)
     sent: dict[str, float] = {}
     try:
-        await sink.start()
         for gw in gateways:
             at = time.time()
-            await publish_command(sink, gw)
-            sent[gw] = at
+            with contextlib.suppress(UplinkError):
+                await publish_command(sink, gw)
+                sent[gw] = at
             await asyncio.sleep(every)
     finally:
         await sink.close()
