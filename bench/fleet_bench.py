@@ -11,6 +11,14 @@ machine shows).
 
 Phases and figures (one JSON line each, ``emit``):
 
+provision  every gateway provisioned as the cloud side does it
+        (`provision_gateway`: its return-path topic, its user, and with
+        ``--login token`` its personal access token), ``--provision-at-once``
+        at a time, the admin dialing the leader; ``provision_s`` and the
+        nodes' RSS after it.  Then (``--restart``, the default) the cluster
+        is restarted on its data: provisioning's Argon2 hashing swells the
+        nodes' heaps (docs/scaling.md), and the figures below are to be
+        what the gateways cost.
 setup   every gateway starts at the same instant (``--start-jitter``: the
         agent's own first-connect jitter, `iggy.start_jitter_s`), each with
         one record in its outbox.  ``ready_s``: from that instant to every
