@@ -90,14 +90,20 @@ async def provision(
     creds: dict[str, dict[str, str]] = {}
 
     async def work() -> None:
-        while not todo.empty():
-            gw = todo.get_nowait()
-            done = await provision_gateway(gateway_settings(gw, admin), gw, tokens=tokens)
-            assert done.password is not None
-            if done.token is not None:
-                creds[gw] = {"username": done.username, "token": done.token}
-            else:
-                creds[gw] = {"username": done.username, "password": done.password}
+        conn = Connection(admin, "provisioning")  # one admin login per worker, not per gateway
+        try:
+            while not todo.empty():
+                await one(conn, todo.get_nowait())
+        finally:
+            await conn.close()
+
+    async def one(conn: Connection, gw: str) -> None:
+        done = await provision_gateway(gateway_settings(gw, admin), gw, tokens=tokens, connection=conn)
+        assert done.password is not None
+        if done.token is not None:
+            creds[gw] = {"username": done.username, "token": done.token}
+        else:
+            creds[gw] = {"username": done.username, "password": done.password}
 
     await asyncio.gather(*(work() for _ in range(at_once)))
     return creds

@@ -190,11 +190,14 @@ async def provision_gateway(
     username: str | None = None,
     rotate: bool = False,
     tokens: bool = True,
+    connection: Connection | None = None,
 ) -> Provisioned:
     """Provision `gateway_id` on the server `settings.iggy` names, logged in
     with its (admin) credentials; `settings` also gives the naming
-    (``[downlink]``), the shared route topics and ``iggy.partitions``."""
-    conn = Connection(settings.iggy, "provisioning")
+    (``[downlink]``), the shared route topics and ``iggy.partitions``.
+    `connection`: an admin connection of the caller's, kept open (many
+    gateways, one admin login: each login is an Argon2 hash)."""
+    conn = connection or Connection(settings.iggy, "provisioning")
     try:
         client = await conn.client()
         grants = _Grants()
@@ -226,7 +229,8 @@ async def provision_gateway(
             gateway_id, name, password, rt.stream, rt.topic, created, made, sends, legacy, token
         )
     finally:
-        await conn.close()
+        if connection is None:
+            await conn.close()
 
 
 async def create_return_topic(settings: Settings, gateway_id: str | None = None) -> bool:
