@@ -1,36 +1,53 @@
-"""Fleet scale: many gateways' uplinks against one Iggy server and a 3-node cluster.
+"""Fleet scale: many gateways against a real 3-node Iggy cluster (issue 23).
 
-Every gateway is what the agent runs on the Iggy side, in one process: its
-own outbox (a SQLite file, `Outbox`), the real `Forwarder` with default
-`[forward]` settings and its own `IggyUplink` (its own connection), and its
-return-path reader (`IggyCommandSource`, its own connection) that creates and
-polls ``commands.<gw>`` and ``config.<gw>`` -- ``iggy.partitions`` (3)
-partitions each, every ``--poll-interval`` (the agent's default 1 s), as
-the agent's return poll does.  The shared topics (telemetry, acks, events)
-are created by the first uplink that needs them.
+The gateways are simulated with the agent's real uplink and return-path
+code, in ``--procs`` processes of their own (bench/_fleet_gateways.py: per
+gateway its own SQLite buffer, the real `Forwarder`, `ReturnPoll`, and the
+uplink and command source `make_uplink_and_source` builds).  This process
+only starts the servers, tells the gateway processes when to start, and
+measures; the servers' figures are read from /proc and the kernel's socket
+counters, apart from the gateways' own (their CPU is printed, so a saturated
+machine shows).
 
-Phases, per target (``single``: one iggy-server; ``cluster``: three nodes,
-every gateway given all three addresses):
+Phases and figures (one JSON line each, ``emit``):
 
-setup   every gateway's uplink and return-path topics created at once; the
-        figure is the wall time and the topic count the server then holds.
-drain   every outbox holds ``--backlog`` records (60-byte JSON, 10 devices);
-        all forwarders start together; aggregate records/s until every
-        outbox is empty.
-steady  every gateway ingests ``--rate`` records/s for ``--seconds`` while
-        its return path polls; per record, latency = Iggy's confirmation
-        (the send returning) - the record's receive time (its
-        ``received-at-us`` header: the outbox's group commit, the
-        forwarder's linger and the send).  Per gateway p50 / p99, and the
-        spread of those over the fleet; achieved polls/s and poll latency.
+provision  every gateway provisioned as the cloud side does it
+        (`provision_gateway`: its return-path topic, its user, and with
+        ``--login token`` its personal access token), ``--provision-at-once``
+        at a time, the admin dialing the leader; ``provision_s`` and the
+        nodes' RSS after it.  Then (``--restart``, the default) the cluster
+        is restarted on its data: provisioning's Argon2 hashing swells the
+        nodes' heaps (docs/scaling.md), and the figures below are to be
+        what the gateways cost.
+setup   every gateway starts at the same instant (``--start-jitter``: the
+        agent's own first-connect jitter, `iggy.start_jitter_s`), each with
+        one record in its outbox.  ``ready_s``: from that instant to every
+        gateway having had its first record confirmed by Iggy (p50 too).
+        ``setup_timed_out``: gateways one of whose SDK calls (connect,
+        login, look-up, send, poll) ran out of its timeout (``--timeout``,
+        the agent's connect/request timeout) before they were ready, plus
+        those not ready after ``--ready-timeout``; gateways whose start
+        failed otherwise and was retried (the agent's error metrics), and
+        the failed calls by kind, are printed with it.
+        ``server_rss_after_setup_per_node``: VmRSS of each node (MB; the
+        value is the largest).
+rest    after ``--settle`` s, ``--rest`` s with no traffic.
+        ``requests_at_rest_per_gateway``: requests per second per gateway,
+        counted twice: at the SDK call boundary in the gateway processes
+        (every call, plus the heartbeats of the connected clients at their
+        interval) and, the figure, by the servers' sockets: the segments
+        carrying data that the nodes' client-port sockets received
+        (``ss -ti`` data_segs_in; the SDK writes a request in one flush and
+        waits for its answer, so one segment is one request).  Also the
+        connections per gateway and the servers' CPU.
+command ``--commands`` commands at rest, one every ``--command-every`` s,
+        each to another gateway chosen at random (each idle: the cold case),
+        published by a cloud-side `IggyCommandSink`; latency = stored in the
+        gateway's inbox (the return poll's commit) - the publish's start.
+        ``command_latency_at_rest_p50`` / ``_p99``.
 
-Each phase also reads the servers' RSS (VmRSS of every node, /proc).  The
-reference, in the same run on the same server / cluster: one gateway alone
-(target ``single-reference`` / ``cluster-reference``), run first, so its RSS
-"before" is the idle server's.  Load on the machine is printed with
-the figures (``machine`` line, load average).
-
-    .venv/bin/python bench/fleet_bench.py [--gateways 50] [--only single|cluster] [--quick]
+    flock /work/bench.lock .venv/bin/python bench/fleet_bench.py --gateways 1000 --only cluster
+    .venv/bin/python bench/fleet_bench.py --quick          # 20 gateways, a smoke run
 """
 
 from __future__ import annotations
@@ -38,402 +55,519 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
+import queue
+import random
 import shutil
-import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import emit, emit_machine, payload_60, skipped
-from iggy_edge.config import IggySettings, Settings, parse_config
-from iggy_edge.forward import Forwarder
-from iggy_edge.metrics import Metrics
-from iggy_edge.records import HEADER_RECEIVED_US, OutboundRecord, Route
-from iggy_edge.store import Incoming, Outbox
-from iggy_edge.uplink.iggy import IggyCommandSource, IggyProbe, IggyUplink
+from _common import emit, emit_machine, skipped
+from _fleet_server import (
+    anon_mb,
+    connections_and_requests,
+    cpu_seconds,
+    pct,
+    provision,
+    publish_command,
+    rss_mb,
+    topic_count,
+)
+from iggy_edge.config import IggySettings
+from iggy_edge.uplink.iggy import IggyCommandSink
 from iggy_edge.uplink.protocol import UplinkError
 from pydantic import SecretStr
 
-from tests.support.iggy_server import ROOT_PASSWORD, ROOT_USER, IggyCluster, IggyServer, iggy_server_binary
+from tests.support.iggy_server import (
+    ROOT_PASSWORD,
+    ROOT_USER,
+    IggyCluster,
+    IggyServer,
+    iggy_server_binary,
+    stop_on_signals,
+)
 
 BENCH = "fleet"
-DEVICES = 10
-SHARED_TOPICS = (("edge", "telemetry"), ("edge", "acks"), ("edge", "events"))
+WORKER = Path(__file__).resolve().parent / "_fleet_gateways.py"
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+class Workers:
+    """The gateway processes and their JSON-line control channel."""
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def cpu_seconds(pid: int | str = "self") -> float:
-    """User + system CPU time of a process (/proc/<pid>/stat), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class TimedUplink:
-    """The gateway's IggyUplink; on every confirmed send, each record's
-    latency since it was received (its received-at-us header)."""
-
-    def __init__(self, inner: IggyUplink) -> None:
-        self.inner = inner
-        self.latencies_ms: list[float] = []
-        self.recording = False
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def send(self, batch: Sequence[OutboundRecord]) -> None:
-        await self.inner.send(batch)
-        if self.recording:
-            now_us = time.time_ns() // 1000
-            self.latencies_ms.extend((now_us - int(r.headers[HEADER_RECEIVED_US])) / 1000 for r in batch)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class Gateway:
-    def __init__(self, index: int, workdir: Path, nodes: list[str]) -> None:
-        self.id = f"gw-{index:05d}"
-        self.state = workdir / self.id
-        self.state.mkdir(parents=True)
-        self.settings: Settings = parse_config(
-            {
-                "gateway_id": self.id,
-                "state_dir": str(self.state),
-                "iggy": {
-                    "kind": "iggy",
-                    "addresses": nodes,
-                    "username": ROOT_USER,
-                    "password": ROOT_PASSWORD,
-                    "request_timeout_s": 30.0,
-                    "connect_timeout_s": 30.0,
-                },
-                "buffer": {"synchronous": "normal"},
-                "metrics": {"enabled": False},
-            },
-            env={},
-        )
-        self.metrics = Metrics()
-        dl = self.settings.downlink
-        self.return_topics = [f"{dl.commands_topic}.{self.id}", f"{dl.config_topic}.{self.id}"]
-        self.stream = dl.stream
-        # The command source creates no topic any more: the uplink (root) makes them.
-        made = [*SHARED_TOPICS, *((self.stream, t) for t in self.return_topics)]
-        self.uplink = TimedUplink(IggyUplink(self.settings.iggy, self.id, topics=made))
-        self.source = IggyCommandSource(self.settings.iggy, self.id, f"iggy-edge-{self.id}")
-        self.box: Outbox | None = None
-        self.forwarder: Forwarder | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.polls = 0
-        self.poll_errors = 0
-        self.poll_ms: list[float] = []
-        self.next_seq = 0
-
-    async def open(self) -> None:
-        self.box = await Outbox.open(self.state / "buffer.db", self.settings.buffer, self.id, self.metrics)
-        self.box.start()
-
-    async def setup(self) -> None:
-        """Connect both directions and create the topics as the agent does."""
-        await self.uplink.start()
-        for topic in self.return_topics:
-            for p in range(self.settings.iggy.partitions):
-                await self.source.poll(self.stream, topic, p, 0, 1)
-
-    def submit(self, n: int) -> Any:
-        assert self.box is not None
-        done = None
-        now_us = time.time_ns() // 1000
-        for _ in range(n):
-            self.next_seq += 1
-            d = self.next_seq % DEVICES
-            route = Route("edge", "telemetry", f"{self.id}-dev{d}")
-            done = self.box.submit(
-                Incoming(
-                    route,
-                    f"edge/{route.key}/up/env",
-                    1,
-                    False,
-                    now_us,
-                    payload_60(d, self.next_seq),
-                    self.next_seq,
+    def __init__(self, cfgs: list[dict[str, Any]]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "agent")}
+        # The gateways' warnings go to a log file each (a fleet failing to
+        # start writes thousands); `log_summary` counts them.
+        self.logs = [Path(c["workdir"]) / f"gateways-{i}.log" for i, c in enumerate(cfgs)]
+        self.logs[0].parent.mkdir(parents=True, exist_ok=True)
+        self.procs = []
+        for c, log in zip(cfgs, self.logs, strict=True):
+            with log.open("w") as err:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), json.dumps(c)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        env=env,
+                        bufsize=1,
+                    )
                 )
-            )
-        return done
+        self.pids = [p.pid for p in self.procs]
+        self.queues: list[queue.Queue[dict[str, Any] | None]] = [queue.Queue() for _ in self.procs]
+        for p, q in zip(self.procs, self.queues, strict=True):
+            threading.Thread(target=self._pump, args=(p, q), daemon=True).start()
 
-    def start_forwarding(self) -> None:
-        assert self.box is not None
-        self.forwarder = Forwarder(self.box, self.uplink, self.settings.forward, self.metrics)
-        self.task = asyncio.create_task(self.forwarder.run(), name=f"forward-{self.id}")
+    def send(self, **cmd: Any) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(cmd) + "\n")
+            p.stdin.flush()
 
-    async def poll_loop(self, interval: float, stop: asyncio.Event) -> None:
-        """The return poll's request pattern: every interval, each partition of both topics."""
-        while not stop.is_set():
-            started = time.perf_counter()
-            for topic in self.return_topics:
-                for p in range(self.settings.iggy.partitions):
-                    t0 = time.perf_counter()
-                    try:
-                        await self.source.poll(self.stream, topic, p, 0, self.settings.downlink.poll_batch)
-                        self.polls += 1
-                        self.poll_ms.append((time.perf_counter() - t0) * 1000)
-                    except UplinkError:
-                        self.poll_errors += 1
-            left = interval - (time.perf_counter() - started)
-            if left > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), left)
+    def _pump(self, proc: subprocess.Popen[str], q: queue.Queue[dict[str, Any] | None]) -> None:
+        """A thread per process: its stdout lines, parsed, into its queue
+        (None at its end).  A thread rather than select(): a text pipe's
+        buffer can hold lines select() no longer reports."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            q.put(json.loads(line))
+        q.put(None)
 
-    async def close(self) -> None:
-        if self.forwarder is not None and self.task is not None:
-            self.forwarder.stop()
-            await self.task
-        await self.uplink.close()
-        await self.source.close()
-        if self.box is not None:
-            await self.box.close()
+    def read(self, i: int, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next event of process `i` (None after `timeout`)."""
+        try:
+            msg = self.queues[i].get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if msg is None:
+            self.queues[i].put(None)
+            raise RuntimeError(f"gateway process {self.pids[i]} ended (exit {self.procs[i].wait()})")
+        return msg
 
+    def ask(self, cmd: str, event: str) -> list[dict[str, Any]]:
+        """`cmd` to every process; each one's answer (other events, e.g. late
+        `ready` lines, are skipped: the caller has read those it needed)."""
+        self.send(cmd=cmd)
+        out = []
+        for i in range(len(self.procs)):
+            while (msg := self.read(i)) is None or msg["event"] != event:
+                pass
+            out.append(msg)
+        return out
 
-async def topic_count(address: str, stream: str) -> int:
-    settings = IggySettings(
-        kind="iggy", address=address, username=ROOT_USER, password=SecretStr(ROOT_PASSWORD)
-    )
-    async with IggyProbe(settings, timeout_s=30.0) as probe:
-        details = await probe.stream(stream)
-    return 0 if details is None else int(details.topics_count)
+    def log_summary(self) -> dict[str, Any]:
+        """Warning lines the gateways logged, by logger, and the first of each."""
+        seen: Counter[str] = Counter()
+        first: dict[str, str] = {}
+        for log in self.logs:
+            with contextlib.suppress(OSError):
+                for line in log.read_text(errors="replace").splitlines():
+                    name = line.split(" ", 1)[0]
+                    seen[name] += 1
+                    first.setdefault(name, line[:300])
+        return {"lines": dict(seen), "first": first}
 
-
-async def run_fleet(
-    target: str, n: int, pids: list[int], nodes: list[str], args: argparse.Namespace, workdir: Path
-) -> None:
-    """One fleet of `n` gateways against `nodes`; `target` labels its figures."""
-    rss = round(sum(rss_mb(p) for p in pids), 1)
-    emit(BENCH, "server_rss_before", rss, "MB", target=target, nodes=len(pids), gateways=n)
-    gateways = [Gateway(i, workdir / target, nodes) for i in range(n)]
-    await asyncio.gather(*(g.open() for g in gateways))
-    try:
-        # Every gateway connects and creates its topics at once (a fleet
-        # starting together, or reconnecting after a cluster restart); one
-        # that does not get through within its connect / request timeout
-        # (30 s) is counted and set up again afterwards, one at a time.
-        started = time.perf_counter()
-        each: list[float] = []
-        failed: list[tuple[Gateway, str]] = []
-
-        gate = asyncio.Semaphore(args.setup_concurrency or n)
-
-        async def setup(g: Gateway) -> None:
-            t0 = time.perf_counter()
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError):  # a process already gone: killed below if need be
+                assert p.stdin is not None
+                p.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+                p.stdin.flush()
+        deadline = time.monotonic() + 60
+        for p in self.procs:
             try:
-                async with gate:
-                    await g.setup()
-            except UplinkError as e:
-                failed.append((g, str(e)[:160]))
-                return
-            each.append(time.perf_counter() - t0)
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
-        await asyncio.gather(*(setup(g) for g in gateways))
-        setup_s = time.perf_counter() - started
-        for g, _ in failed:
-            await g.setup()
-        topics = await topic_count(nodes[0], "edge")
+
+def admin_settings(nodes: list[str]) -> IggySettings:
+    return IggySettings(
+        kind="iggy",
+        addresses=tuple(nodes) if len(nodes) > 1 else (),
+        address=nodes[0],
+        username=ROOT_USER,
+        password=SecretStr(ROOT_PASSWORD),
+        request_timeout_s=60.0,
+        connect_timeout_s=60.0,
+    )
+
+
+def gateway_ids(n: int) -> list[str]:
+    return [f"gw-{i:05d}" for i in range(n)]
+
+
+def run_fleet(
+    target: str,
+    pids: list[int],
+    nodes: list[str],
+    args: argparse.Namespace,
+    workdir: Path,
+    restart: Callable[[], list[int]] | None = None,
+    leader: str | None = None,
+) -> None:
+    n = args.gateways
+    # The cloud side dials the leader first: a login on a follower is
+    # verified there and again on the leader the SDK then moves to.
+    admin = admin_settings(sorted(nodes, key=lambda a: a != leader))
+    emit(
+        BENCH,
+        "server_rss_idle",
+        round(max(rss_mb(p) for p in pids), 1),
+        "MB",
+        target=target,
+        per_node=[round(rss_mb(p), 1) for p in pids],
+    )
+    # Provisioning, as the cloud side does it before a gateway starts: the
+    # shared topics, each gateway's return-path topic and its user (and a
+    # personal access token with --login token).
+    t0 = time.perf_counter()
+    creds = asyncio.run(
+        provision(admin, gateway_ids(n), tokens=args.login == "token", at_once=args.provision_at_once)
+    )
+    emit(
+        BENCH,
+        "provision_s",
+        round(time.perf_counter() - t0, 2),
+        "s",
+        target=target,
+        gateways=n,
+        login=args.login,
+    )
+    rss = [rss_mb(p) for p in pids]
+    emit(
+        BENCH,
+        "server_rss_after_provisioning",
+        round(max(rss), 1),
+        "MB",
+        target=target,
+        per_node=[round(x, 1) for x in rss],
+    )
+    if restart is not None:
+        # Provisioning's Argon2 work (a password hashed per user, a login per
+        # token) swells the nodes' heaps (docs/scaling.md); a cluster is
+        # provisioned over its life and restarted now and then.  Restarted
+        # here on its data, the figures below are what the gateways cost.
+        t0 = time.perf_counter()
+        pids[:] = restart()
         emit(
             BENCH,
-            "setup_seconds",
-            round(setup_s, 2),
+            "cluster_restart_s",
+            round(time.perf_counter() - t0, 1),
+            "s",
+            target=target,
+            rss_per_node=[round(rss_mb(p), 1) for p in pids],
+        )
+    per = -(-n // args.procs)
+    cfgs = [
+        {
+            "workdir": str(workdir / target),
+            "first": first,
+            "count": min(per, n - first),
+            "nodes": nodes,
+            "creds": {k: v for k, v in creds.items() if first <= int(k[3:]) < first + per},
+            "timeout_s": args.timeout,
+            "heartbeat_s": args.heartbeat,
+            "jitter_s": args.start_jitter,
+            "separate": args.separate,
+        }
+        for first in range(0, n, per)
+    ]
+    workers = Workers(cfgs)
+    try:
+        for i in range(len(workers.procs)):
+            while (msg := workers.read(i)) is None or msg["event"] != "built":
+                pass
+        rss_before = [rss_mb(p) for p in pids]
+        emit(
+            BENCH,
+            "server_rss_before",
+            round(max(rss_before), 1),
+            "MB",
+            target=target,
+            per_node=[round(x, 1) for x in rss_before],
+            gateways=n,
+        )
+
+        # -- setup: every gateway at once --
+        start_at = time.time() + 1.0
+        cpu0 = [cpu_seconds(p) for p in pids]
+        workers.send(cmd="go", at=start_at)
+        ready: dict[str, float] = {}
+        failed: set[str] = set()  # its start failed at least once (the agent's error metrics)
+        timed_out: set[str] = set()  # ... of them, one whose failure was a timeout
+        failures: Counter[str] = Counter()  # SDK calls that failed before their gateway was ready
+        deadline = time.monotonic() + 1.0 + args.ready_timeout
+        while len(ready) < n and time.monotonic() < deadline:
+            for i in range(len(workers.procs)):
+                while (msg := workers.read(i, timeout=0)) is not None:
+                    if msg["event"] == "ready":
+                        ready[msg["gw"]] = msg["at"] - start_at
+                        if msg["errors"]:
+                            failed.add(msg["gw"])
+                        if any(k.endswith(": timed out") for k in msg["failures"]):
+                            timed_out.add(msg["gw"])
+                        failures.update(msg["failures"])
+            time.sleep(0.05)
+        setup_wall = time.time() - start_at
+        cpu1 = [cpu_seconds(p) for p in pids]
+        times = sorted(ready.values())
+        not_ready = n - len(ready)
+        emit(
+            BENCH,
+            "ready_s",
+            round(times[-1], 2) if not_ready == 0 else None,
             "s",
             target=target,
             gateways=n,
-            per_gateway_p50=round(pct(each, 0.5), 2),
-            per_gateway_max=round(max(each, default=float("nan")), 2),
-            concurrency=args.setup_concurrency or n,
-            timed_out=len(failed),
-            first_error=failed[0][1] if failed else None,
+            p50=round(pct(times, 0.5), 2),
+            not_ready=not_ready,
+            start_jitter_s=args.start_jitter,
+            login=args.login,
+            procs=args.procs,
+            shared_connection=not args.separate,
         )
+        if not_ready:
+            stuck: dict[str, Any] = {}
+            for ans in workers.ask("stuck", "stuck"):
+                stuck.update(ans["stuck"])
+            emit(
+                BENCH,
+                "not_ready_detail",
+                len(stuck),
+                "gateways",
+                target=target,
+                first=dict(list(stuck.items())[:5]),
+            )
         emit(
             BENCH,
-            "topics",
-            topics,
-            "topics",
+            "setup_timed_out",
+            len(timed_out) + not_ready,
+            "gateways",
             target=target,
-            gateways=n,
-            per_gateway=2,
-            shared=len(SHARED_TOPICS),
-            partitions=topics * gateways[0].settings.iggy.partitions,
+            not_ready=not_ready,
+            timeout_s=args.timeout,
+            start_failed_then_retried=len(failed),
+            failed_calls_before_ready=dict(failures.most_common(8)),
         )
-        emit(BENCH, "server_rss_after_setup", round(sum(rss_mb(p) for p in pids), 1), "MB", target=target)
-
-        # drain: a backlog in every outbox, every forwarder at once
-        await asyncio.gather(*(g.submit(args.backlog) for g in gateways))
-        started = time.perf_counter()
-        for g in gateways:
-            g.start_forwarding()
-        while any(g.box is not None and g.box.records > 0 for g in gateways):  # noqa: ASYNC110 - the stopwatch
-            await asyncio.sleep(0.05)
-        drain_s = time.perf_counter() - started
-        total = n * args.backlog
-        sent = sum(g.metrics.value("iggy_edge_forward_records_total") for g in gateways)
         emit(
             BENCH,
-            "drain_rate",
-            round(total / drain_s),
-            "records/s",
+            "setup_server_cpu",
+            round(sum(cpu1) - sum(cpu0), 1),
+            "cpu-s",
             target=target,
-            gateways=n,
-            backlog_per_gateway=args.backlog,
-            seconds=round(drain_s, 2),
-            forwarded=int(sent),
+            per_node=[round(b - a, 1) for a, b in zip(cpu0, cpu1, strict=True)],
+            seconds=round(setup_wall, 1),
         )
-        emit(BENCH, "server_rss_after_drain", round(sum(rss_mb(p) for p in pids), 1), "MB", target=target)
-
-        # steady: ingest at a rate, return path polling
-        stop = asyncio.Event()
-        for g in gateways:
-            g.uplink.recording = True
-        pollers = [asyncio.create_task(g.poll_loop(args.poll_interval, stop)) for g in gateways]
-
-        async def ingest(g: Gateway) -> None:
-            step = 0.1
-            per_step = args.rate * step
-            owed = 0.0
-            while not stop.is_set():
-                owed += per_step
-                k = int(owed)
-                owed -= k
-                if k:
-                    g.submit(k)
-                await asyncio.sleep(step)
-
-        feeders = [asyncio.create_task(ingest(g)) for g in gateways]
-        t0 = time.perf_counter()
-        cpu0 = [cpu_seconds(p) for p in pids], cpu_seconds()
-        await asyncio.sleep(args.seconds)
-        cpu1 = [cpu_seconds(p) for p in pids], cpu_seconds()
-        stop.set()
-        await asyncio.gather(*feeders, *pollers)
-        steady_s = time.perf_counter() - t0
-        # Who is busy: the servers' and this process's (every gateway's) CPU, in cores.
+        rss = [rss_mb(p) for p in pids]
         emit(
             BENCH,
-            "steady_cpu",
-            round((sum(cpu1[0]) - sum(cpu0[0])) / args.seconds, 2),
-            "cores (servers)",
-            target=target,
-            per_node=[round((b - a) / args.seconds, 2) for a, b in zip(cpu0[0], cpu1[0], strict=True)],
-            gateways_process=round((cpu1[1] - cpu0[1]) / args.seconds, 2),
-        )
-        # let the last records go out before reading the latencies
-        deadline = time.monotonic() + 30
-        while any(g.box is not None and g.box.records > 0 for g in gateways) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        per_gw_p50 = [pct(g.uplink.latencies_ms, 0.5) for g in gateways if g.uplink.latencies_ms]
-        per_gw_p99 = [pct(g.uplink.latencies_ms, 0.99) for g in gateways if g.uplink.latencies_ms]
-        every = [x for g in gateways for x in g.uplink.latencies_ms]
-        emit(
-            BENCH,
-            "steady_latency_p50",
-            round(pct(every, 0.5), 1),
-            "ms",
-            target=target,
-            gateways=n,
-            rate_per_gateway=args.rate,
-            records=len(every),
-            aggregate_rate=round(len(every) / steady_s),
-            per_gateway_p50_median=round(statistics.median(per_gw_p50), 1),
-            per_gateway_p50_worst=round(max(per_gw_p50), 1),
-        )
-        emit(
-            BENCH,
-            "steady_latency_p99",
-            round(pct(every, 0.99), 1),
-            "ms",
-            target=target,
-            per_gateway_p99_median=round(statistics.median(per_gw_p99), 1),
-            per_gateway_p99_worst=round(max(per_gw_p99), 1),
-        )
-        polls = sum(g.polls for g in gateways)
-        poll_ms = [x for g in gateways for x in g.poll_ms]
-        emit(
-            BENCH,
-            "polls_per_second",
-            round(polls / steady_s, 1),
-            "polls/s",
-            target=target,
-            expected=round(n * 2 * gateways[0].settings.iggy.partitions / args.poll_interval, 1),
-            errors=sum(g.poll_errors for g in gateways),
-            poll_p50_ms=round(pct(poll_ms, 0.5), 2),
-            poll_p99_ms=round(pct(poll_ms, 0.99), 2),
-        )
-        emit(
-            BENCH,
-            "server_rss_steady",
-            round(sum(rss_mb(p) for p in pids), 1),
+            "server_rss_after_setup_per_node",
+            round(max(rss), 1),
             "MB",
             target=target,
-            per_node=[round(rss_mb(p), 1) for p in pids],
-            topics=await topic_count(nodes[0], "edge"),
+            per_node=[round(x, 1) for x in rss],
+            anonymous_per_node=[round(anon_mb(p), 1) for p in pids],
+            topics=asyncio.run(topic_count(admin, "edge")),
+            gateway_log_lines=workers.log_summary(),
+        )
+
+        # -- rest: no traffic --
+        time.sleep(args.settle)
+        before = workers.ask("counts", "counts")
+        _, segs0 = connections_and_requests(nodes)
+        cpu0 = [cpu_seconds(p) for p in pids]
+        t0 = time.monotonic()
+        time.sleep(args.rest)
+        elapsed = time.monotonic() - t0
+        conns1, segs1 = connections_and_requests(nodes)
+        cpu1 = [cpu_seconds(p) for p in pids]
+        after = workers.ask("counts", "counts")
+        calls = Counter[str]()
+        for b, a in zip(before, after, strict=True):
+            calls.update({k: v - b["calls"].get(k, 0) for k, v in a["calls"].items()})
+        heartbeats = sum(a["heartbeats_per_s"] for a in after)
+        sdk_rate = (sum(calls.values()) / elapsed + heartbeats) / n
+        server_rate = (segs1 - segs0) / elapsed / n
+        emit(
+            BENCH,
+            "requests_at_rest_per_gateway",
+            round(server_rate, 3),
+            "requests/s",
+            target=target,
+            gateways=n,
+            seconds=round(elapsed, 1),
+            counted_by="servers' sockets (data_segs_in)",
+            sdk_boundary=round(sdk_rate, 3),
+            sdk_calls_per_s={k: round(v / elapsed, 1) for k, v in calls.items() if v},
+            heartbeats_per_s=round(heartbeats, 1),
+            errors=sum(a["errors"] for a in after) - sum(b["errors"] for b in before),
+        )
+        emit(
+            BENCH,
+            "connections_per_gateway",
+            round(conns1 / n, 2),
+            "connections",
+            target=target,
+            server_side=conns1,
+            clients_connected=sum(a["connected"] for a in after),
+        )
+        emit(
+            BENCH,
+            "rest_cpu",
+            round((sum(cpu1) - sum(cpu0)) / elapsed, 3),
+            "cores (servers)",
+            target=target,
+            per_node=[round((b - a) / elapsed, 3) for a, b in zip(cpu0, cpu1, strict=True)],
+            gateway_processes=round(
+                (sum(a["cpu_s"] for a in after) - sum(b["cpu_s"] for b in before)) / elapsed, 2
+            ),
+        )
+
+        # -- commands at rest --
+        if args.commands:
+            chosen = random.Random(7).sample(gateway_ids(n), min(args.commands, n))
+            sent = asyncio.run(publish_commands(admin, chosen, args.command_every))
+            time.sleep(args.command_wait)
+            stored: dict[str, list[float]] = {}
+            for ans in workers.ask("stored", "stored"):
+                stored.update(ans["stored"])
+            lat = []
+            for gw, at in sent.items():
+                later = [t for t in stored.get(gw, []) if t >= at]
+                if later:
+                    lat.append((min(later) - at) * 1000)
+            emit(
+                BENCH,
+                "command_latency_at_rest_p50",
+                round(pct(lat, 0.5), 1),
+                "ms",
+                target=target,
+                commands=len(chosen),
+                published=len(sent),
+                arrived=len(lat),
+                every_s=args.command_every,
+            )
+            emit(
+                BENCH,
+                "command_latency_at_rest_p99",
+                round(pct(lat, 0.99), 1),
+                "ms",
+                target=target,
+                max=round(max(lat, default=float("nan")), 1),
+            )
+        rss = [rss_mb(p) for p in pids]
+        emit(
+            BENCH,
+            "server_rss_end_per_node",
+            round(max(rss), 1),
+            "MB",
+            target=target,
+            per_node=[round(x, 1) for x in rss],
+            anonymous_per_node=[round(anon_mb(p), 1) for p in pids],
         )
     finally:
-        await asyncio.gather(*(g.close() for g in gateways), return_exceptions=True)
+        workers.stop()
+
+
+async def publish_commands(admin: IggySettings, gateways: list[str], every: float) -> dict[str, float]:
+    """One command to each gateway, `every` seconds apart; {gateway: sent at}
+    for those the cluster took (a cluster that does not answer is counted,
+    not fatal: the figures say how many arrived)."""
+    sink = IggyCommandSink(admin)
+    sent: dict[str, float] = {}
+    try:
+        for gw in gateways:
+            at = time.time()
+            with contextlib.suppress(UplinkError):
+                await publish_command(sink, gw)
+                sent[gw] = at
+            await asyncio.sleep(every)
+    finally:
+        await sink.close()
+    return sent
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gateways", type=int, default=50)
-    ap.add_argument("--backlog", type=int, default=5000, help="records per gateway for the drain phase")
-    ap.add_argument("--rate", type=float, default=10.0, help="records/s per gateway in the steady phase")
-    ap.add_argument("--seconds", type=float, default=15.0, help="length of the steady phase")
-    ap.add_argument("--poll-interval", type=float, default=1.0)
-    ap.add_argument("--setup-concurrency", type=int, default=0, help="gateways setting up at once (0: all)")
-    ap.add_argument("--only", choices=["single", "cluster"])
-    ap.add_argument("--quick", action="store_true", help="10 gateways, small phases (a smoke run)")
+    ap.add_argument("--gateways", type=int, default=100)
+    ap.add_argument("--procs", type=int, default=4, help="gateway processes")
+    ap.add_argument("--only", choices=["single", "cluster"], default="cluster")
+    ap.add_argument("--login", choices=["password", "token"], default="password")
+    ap.add_argument("--separate", action="store_true", help="one connection each for uplink and return path")
+    ap.add_argument("--start-jitter", type=float, default=0.0, help="iggy.start_jitter_s of every gateway")
+    ap.add_argument("--heartbeat", type=float, default=60.0, help="iggy.heartbeat_interval_s (the default's)")
+    ap.add_argument("--timeout", type=float, default=30.0, help="connect/request timeout of the gateways")
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--settle", type=float, default=10.0)
+    ap.add_argument("--rest", type=float, default=30.0)
+    ap.add_argument("--commands", type=int, default=60)
+    ap.add_argument("--command-every", type=float, default=0.5)
+    ap.add_argument("--command-wait", type=float, default=10.0)
+    ap.add_argument("--provision-at-once", type=int, default=4, help="gateways provisioned at a time")
+    ap.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart the cluster on its data after provisioning (default: yes)",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the servers' and gateways' files and logs")
+    ap.add_argument("--quick", action="store_true", help="20 gateways, short phases (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.gateways, args.backlog, args.seconds = 10, 200, 3.0
+        args.gateways, args.procs, args.settle, args.rest, args.commands = 20, 2, 4.0, 10.0, 10
+    stop_on_signals()
     emit_machine(BENCH)
     if iggy_server_binary() is None:
         skipped(BENCH, "fleet", "iggy-server not on PATH (see tests/support/iggy_server.py to build it)")
         return
     workdir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
     try:
-        if args.only in (None, "single"):
+        if args.only == "single":
             server = IggyServer(workdir / "iggy").start()
             try:
                 assert server.proc is not None
-                pids = [server.proc.pid]
-                for label, n in (("single-reference", 1), ("single", args.gateways)):
-                    asyncio.run(run_fleet(label, n, pids, [server.address], args, workdir))
+                run_fleet("single", [server.proc.pid], [server.address], args, workdir)
             finally:
                 server.stop()
-        if args.only in (None, "cluster"):
+        else:
             cluster = IggyCluster(workdir / "cluster").start()
             try:
                 pids = [node.proc.pid for node in cluster.nodes if node.proc is not None]
-                for label, n in (("cluster-reference", 1), ("cluster", args.gateways)):
-                    asyncio.run(run_fleet(label, n, pids, cluster.addresses, args, workdir))
+
+                def restart() -> list[int]:
+                    cluster.restart()
+                    return [node.proc.pid for node in cluster.nodes if node.proc is not None]
+
+                run_fleet(
+                    "cluster",
+                    pids,
+                    cluster.addresses,
+                    args,
+                    workdir,
+                    restart if args.restart else None,
+                    cluster.wait_leader(60),
+                )
             finally:
                 cluster.stop()
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if args.keep:
+            print(f"kept {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     load1, _, _ = os.getloadavg()
     emit(BENCH, "load_after", round(load1, 2), "loadavg_1m")
 

@@ -51,7 +51,7 @@ from .store import Outbox, StoreError
 from .supervisor import Supervisor
 from .systemd import systemd_notify
 from .timeouts import wait_for
-from .uplink.factory import make_command_source, make_uplink
+from .uplink.factory import make_command_source, make_uplink, make_uplink_and_source
 from .uplink.protocol import CommandSource, Uplink
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ def build_agent(
     """The whole agent from its settings.  `uplink` and `command_source`
     default to what ``[iggy] kind`` asks for; tests and benchmarks pass their
     own (a MemoryIggy's, a real server's)."""
+    if uplink is None and command_source is None:
+        uplink, command_source = make_uplink_and_source(settings)  # one connection for both
     return Agent(
         settings,
         uplink=uplink if uplink is not None else make_uplink(settings),

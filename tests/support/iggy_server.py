@@ -29,18 +29,39 @@ stay open, nothing answers).
 With `tls` set (see `make_tls_files`, which needs the ``openssl`` command) the
 TCP listener speaks TLS only (IGGY_TCP_TLS_ENABLED, _SELF_SIGNED=false,
 _CERT_FILE, _KEY_FILE).
+
+No node outlives its process.  A node runs in a session of its own (a
+Ctrl-C in the terminal reaches the test or bench, not the servers), so every
+exit path stops it explicitly:
+
+* the normal one and exceptions, KeyboardInterrupt (SIGINT) included:
+  ``stop()`` in the callers' ``finally``;
+* interpreter exit without those (an uncaught SystemExit in a thread, a
+  forgotten ``stop``): an ``atexit`` hook stops every node still running;
+* SIGTERM (``timeout``, a CI runner, ``kill``): `stop_on_signals()` turns it
+  into SystemExit so the two above run; the bench calls it;
+* SIGKILL of the process, or a crash: the kernel sends the node SIGKILL
+  (``prctl(PR_SET_PDEATHSIG)`` set in the child before exec, as the demo's
+  private server does).  SIGKILL rather than SIGTERM because a node may be
+  paused (SIGSTOP, `pause()`): a stopped process keeps a SIGTERM pending
+  for ever.  The death signal fires when the *thread* that started the node
+  ends, so nodes are started from the main thread; from another thread
+  `launch` leaves it unset and the atexit hook is what remains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import ctypes
 import itertools
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +135,44 @@ def iggy_server_binary() -> str | None:
     return shutil.which("iggy-server")
 
 
+PR_SET_PDEATHSIG = 1
+# Every node started by this process and not stopped yet (`_stop_all` at exit).
+_RUNNING: dict[int, IggyServer] = {}  # by id(): a dataclass with eq is unhashable
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """preexec_fn: SIGKILL this child when the thread that forks it ends
+    (module docstring); if `parent` is already gone, now."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _stop_all() -> None:
+    for server in list(_RUNNING.values()):
+        server.stop()
+
+
+atexit.register(_stop_all)
+
+
+def stop_on_signals(*signals: signal.Signals) -> None:
+    """Make SIGTERM (and `signals`) raise SystemExit in the main thread, so
+    ``finally`` blocks and the atexit hook stop the nodes (for scripts: the
+    bench; pytest handles its own signals)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, *signals):
+        signal.signal(sig, handler)
+
+
 @dataclass
 class IggyServer:
     workdir: Path
@@ -180,6 +239,7 @@ class IggyServer:
     def launch(self, binary: str) -> None:
         """Start the process without waiting for it (a cluster starts all
         its nodes first: a node may wait for its peers)."""
+        main = threading.current_thread() is threading.main_thread()
         with self.log_path.open("ab") as log:
             args = [binary] if self.replica_id is None else [binary, "--replica-id", str(self.replica_id)]
             self.proc = subprocess.Popen(
@@ -189,7 +249,10 @@ class IggyServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # one prctl; see the module docstring for the thread caveat
+                preexec_fn=_die_with(os.getpid()) if main else None,  # noqa: PLW1509
             )
+        _RUNNING[id(self)] = self
 
     def wait_ready(self, timeout: float) -> None:
         """Until a client can connect and log in (the TCP port opens before
@@ -250,6 +313,7 @@ class IggyServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
+        _RUNNING.pop(id(self), None)
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGCONT)  # in case it was paused
@@ -272,6 +336,7 @@ class IggyServer:
     def kill(self) -> None:
         """SIGKILL: the server vanishes without closing connections cleanly."""
         proc, self.proc = self.proc, None
+        _RUNNING.pop(id(self), None)
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -407,6 +472,23 @@ class IggyCluster:
                 return seen[0]
             time.sleep(0.2)
         raise TimeoutError(f"no agreed cluster leader after {timeout}s (nodes say {seen})")
+
+    def restart(self, timeout: float = 120.0) -> str:
+        """Stop every node (SIGTERM, a clean shutdown) and start them again
+        on their data (a cluster restart, an upgrade); the new leader."""
+        binary = iggy_server_binary()
+        if binary is None:
+            raise RuntimeError(SKIP_REASON)
+        self.stop()
+        for node in self.nodes:
+            node.launch(binary)
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+            return self.wait_leader(timeout)
+        except (TimeoutError, RuntimeError):
+            self.stop()
+            raise
 
     def node_at(self, address: str) -> IggyServer:
         return next(n for n in self.nodes if n.address == address)

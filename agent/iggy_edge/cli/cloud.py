@@ -51,7 +51,7 @@ def provision(
             "--out",
             "-o",
             help="Write the gateway's credentials file here (mode 0600; an \\[mqtt] table in it is kept). "
-            "Without it the password is printed.",
+            "Without it the credentials are printed.",
             dir_okay=False,
         ),
     ] = None,
@@ -71,7 +71,9 @@ def provision(
     topic (stream edge-rp-<n>, topic return.<gateway>, one partition) and an
     Iggy user allowed only to read that topic (and store its offset) and to
     send to the route topics, plus to read the gateway's topics of the old
-    two-topic scheme when they exist. The gateway then runs with that user
+    two-topic scheme when they exist, and a personal access token of that
+    user (the gateway's credential: a token login is cheap for the server, a
+    password login an Argon2 hash). The gateway then runs with that user
     and needs no right to create anything. Naming comes from the config's
     \\[downlink] section: use the fleet's values. Running it again only sets
     the permissions again; --rotate issues a new password.
@@ -95,6 +97,7 @@ def provision(
         shown = done.summary()
         if out is None and done.password is not None:
             shown["password"] = done.password
+            shown["token"] = done.token
         shown["credentials_file"] = None if out is None or done.password is None else str(out)
         typer.echo(json.dumps(shown))
         return

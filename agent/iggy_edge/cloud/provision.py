@@ -31,6 +31,13 @@ so the gateway itself needs no right to create anything:
   replaces them whole) and the password is kept, unless `rotate` asks for a
   new one (the user is deleted and made again: its sessions end).
 
+With the new password it also makes the user a personal access token
+(logged in as the user once: a token belongs to the user that makes it), and
+the gateway's credentials are the user name and that token: a token login
+costs the server a hash look-up where a password login is an Argon2
+verification, and a fleet logging in with passwords at once times out
+(docs/scaling.md, "What a login costs").
+
 Idempotent: running it again for the same gateway changes nothing but the
 permissions it sets anyway.  It never deletes a topic.
 """
@@ -45,10 +52,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from apache_iggy import IggyClient, Permissions, StreamPermissions, TopicPermissions
+from pydantic import SecretStr
 
 from ..config import Settings
 from ..downlink.commands import legacy_topics, return_topic_of
-from ..uplink.iggy.connection import Connection
+from ..uplink.iggy.connection import Connection, create_personal_access_token
 from ..uplink.iggy.errors import is_already_exists, is_not_found
 from ..uplink.iggy.topics import create_topic, get_topic
 from ..uplink.protocol import UplinkRejected
@@ -57,6 +65,7 @@ log = logging.getLogger(__name__)
 
 MAX_USERNAME: Final = 50  # iggy-server's limit (3..50 bytes)
 USER_PREFIX: Final = "gw-"
+TOKEN_NAME: Final = "iggy-edge"  # noqa: S105 - the name of the gateway user's token, not a secret
 PASSWORD_BYTES: Final = 24  # 32 URL-safe characters; the server takes 3..100
 
 
@@ -83,14 +92,19 @@ class Provisioned:
     created_user: bool
     send_topics: list[str] = field(default_factory=list)
     legacy_topics: list[str] = field(default_factory=list)
+    token: str | None = None  # the user's personal access token, made with its password
 
     def credentials_toml(self) -> str:
         """The ``[iggy]`` table of the gateway's credentials file
-        (``credentials_file``, docs/config.md); needs the password."""
+        (``credentials_file``, docs/config.md): the user name and its token
+        (or, without one, its password)."""
         if self.password is None:
             raise ValueError("no password to write: the user existed (use rotate for a new one)")
         # A JSON string is a TOML basic string (ASCII only: ensure_ascii).
-        return f"[iggy]\nusername = {json.dumps(self.username)}\npassword = {json.dumps(self.password)}\n"
+        secret = (
+            f"token = {json.dumps(self.token)}" if self.token else f"password = {json.dumps(self.password)}"
+        )
+        return f"[iggy]\nusername = {json.dumps(self.username)}\n{secret}\n"
 
     def summary(self) -> dict[str, object]:
         """Everything but the password."""
@@ -157,13 +171,33 @@ async def _user(
     return password, existing is None
 
 
+async def _token(settings: Settings, username: str, password: str) -> str:
+    """A personal access token of the new user, made logged in as it."""
+    user = settings.iggy.model_copy(
+        update={"username": username, "password": SecretStr(password), "token": None}
+    )
+    conn = Connection(user, "provisioning (token)")
+    try:
+        return await create_personal_access_token(conn, TOKEN_NAME)
+    finally:
+        await conn.close()
+
+
 async def provision_gateway(
-    settings: Settings, gateway_id: str, *, username: str | None = None, rotate: bool = False
+    settings: Settings,
+    gateway_id: str,
+    *,
+    username: str | None = None,
+    rotate: bool = False,
+    tokens: bool = True,
+    connection: Connection | None = None,
 ) -> Provisioned:
     """Provision `gateway_id` on the server `settings.iggy` names, logged in
     with its (admin) credentials; `settings` also gives the naming
-    (``[downlink]``), the shared route topics and ``iggy.partitions``."""
-    conn = Connection(settings.iggy, "provisioning")
+    (``[downlink]``), the shared route topics and ``iggy.partitions``.
+    `connection`: an admin connection of the caller's, kept open (many
+    gateways, one admin login: each login is an Argon2 hash)."""
+    conn = connection or Connection(settings.iggy, "provisioning")
     try:
         client = await conn.client()
         grants = _Grants()
@@ -189,10 +223,14 @@ async def provision_gateway(
                 legacy.append(f"{settings.downlink.stream}/{topic}")
         name = username or gateway_username(gateway_id)
         password, made = await _user(conn, client, name, grants.permissions(), rotate)
+        token = None if password is None or not tokens else await _token(settings, name, password)
         log.info("provisioned gateway %s: user %s, %s/%s", gateway_id, name, rt.stream, rt.topic)
-        return Provisioned(gateway_id, name, password, rt.stream, rt.topic, created, made, sends, legacy)
+        return Provisioned(
+            gateway_id, name, password, rt.stream, rt.topic, created, made, sends, legacy, token
+        )
     finally:
-        await conn.close()
+        if connection is None:
+            await conn.close()
 
 
 async def create_return_topic(settings: Settings, gateway_id: str | None = None) -> bool:

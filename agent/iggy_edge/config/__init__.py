@@ -16,6 +16,7 @@ IGGY_ADDRESS           host:port of the Iggy server, or several comma-separated
                        (cluster nodes); enables the iggy uplink
 IGGY_USERNAME          Iggy user
 IGGY_PASSWORD          Iggy password
+IGGY_TOKEN             Iggy personal access token (instead of the password)
 IGGY_TLS               "1"/"true" to use TLS
 IGGY_TLS_CA_FILE       CA bundle for the server certificate
 IGGY_TLS_DOMAIN        server name to verify

@@ -48,6 +48,7 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     simple = {
         "IGGY_USERNAME": "iggy.username",
         "IGGY_PASSWORD": "iggy.password",
+        "IGGY_TOKEN": "iggy.token",
         "IGGY_TLS_CA_FILE": "iggy.tls_ca_file",
         "IGGY_TLS_DOMAIN": "iggy.tls_domain",
         "IGGY_EDGE_MQTT_HOST": "mqtt.host",
@@ -136,8 +137,10 @@ def _merge_credentials(raw: dict[str, Any], base: Path) -> None:
             problems.append((f"credentials_file.{section}", "only [mqtt] and [iggy] tables allowed"))
             continue
         for k, v in values.items():
-            if k not in ("username", "password"):
-                problems.append((f"credentials_file.{section}.{k}", "only username/password allowed"))
+            if k not in ("username", "password") and (section, k) != ("iggy", "token"):
+                problems.append(
+                    (f"credentials_file.{section}.{k}", "only username/password (and iggy token) allowed")
+                )
             elif not isinstance(v, str):
                 problems.append((f"credentials_file.{section}.{k}", "must be a string"))
             else:
@@ -247,9 +250,9 @@ def passwords_in_file(path: Path) -> list[str]:
     world-readable and gets copied, diffed and pasted)."""
     raw = _read_toml(path, "config")
     return [
-        f"{section}.password"
-        for section in ("mqtt", "iggy")
-        if isinstance(raw.get(section), dict) and "password" in raw[section]
+        f"{section}.{key}"
+        for section, key in (("mqtt", "password"), ("iggy", "password"), ("iggy", "token"))
+        if isinstance(raw.get(section), dict) and key in raw[section]
     ]
 
 

@@ -112,6 +112,11 @@ class IggySettings(_Model):
     addresses: Annotated[tuple[str, ...], Field(max_length=16)] = ()
     username: str = "iggy"
     password: SecretStr | None = None
+    # A personal access token of the gateway's user: when set the agent logs
+    # in with it instead of username/password -- a token login costs the
+    # server a hash lookup, a password login an Argon2 verification
+    # (docs/scaling.md, "What a login costs").
+    token: SecretStr | None = None
     tls: bool = False
     tls_ca_file: FilePath | None = None
     tls_domain: str | None = None
@@ -124,6 +129,13 @@ class IggySettings(_Model):
     # (requests to different partitions run side by side; the server answers
     # one request at a time per connection).  Partitions beyond share them.
     uplink_connections: Annotated[int, Field(ge=1, le=64)] = 16
+    # The SDK pings the server this often on every connection (each ping is a
+    # request); any request also counts as liveness for the server.
+    heartbeat_interval_s: Annotated[float, Field(ge=1, le=3600)] = 60.0
+    # The first connect of the agent waits a random 0..start_jitter_s, so a
+    # fleet starting together (power returning to a site, a rollout) does not
+    # log in all at once; later reconnects use the jittered backoff.
+    start_jitter_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
     file_path: FilePath | None = None
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@
 =========  ======================================  ==============================
 kind       uplink                                  command source
 =========  ======================================  ==============================
-"iggy"     IggyUplink (real server)                IggyCommandSource (own client)
+"iggy"     IggyUplink (real server)                IggyCommandSource (same client)
 "file"     FileUplink(``file_path``)               None (a file has no return path)
 "memory"   the process-wide MemoryIggy's uplink    the same MemoryIggy's source
 "none"     None (records stay in the outbox)       None
@@ -13,6 +13,12 @@ kind       uplink                                  command source
 everything in this process's memory and loses it at exit.  Both views share
 `shared_memory_iggy()`, so a test or the demo can publish commands to the
 agent and inspect what it forwarded.
+
+`make_uplink_and_source` (what the agent uses) gives a real server's
+uplink and command source one connection between them, first made after
+``iggy.start_jitter_s`` (uplink/iggy/connection.py: each connection is a
+login and a heartbeat for the server; the SDK queues concurrent calls on
+one connection).  `make_uplink` / `make_command_source` give each its own.
 
 Each kind's module is imported only when that kind is chosen: the Iggy SDK
 (a native library, about 6.5 MB resident) stays out of an agent that does
@@ -66,3 +72,22 @@ def make_command_source(settings: Settings) -> CommandSource | None:
         memory.create_topic(rt.stream, rt.topic, 1)  # in-process, it is its own cloud side: provisioned
         return memory.command_source(consumer_name(settings))
     return None
+
+
+def make_uplink_and_source(settings: Settings) -> tuple[Uplink | None, CommandSource | None]:
+    """The agent's uplink and command source; for a real server sharing one
+    connection (module docstring)."""
+    iggy = settings.iggy
+    if iggy.kind != "iggy":
+        return make_uplink(settings), make_command_source(settings)
+    from .iggy import IggyCommandSource, IggyUplink  # noqa: PLC0415 - only the chosen kind (docstring)
+    from .iggy.connection import Connection  # noqa: PLC0415 - only the chosen kind (docstring)
+
+    conn = Connection(iggy, "gateway", start_jitter=iggy.start_jitter_s)
+    topics = [(r.stream, r.topic) for r in settings.routes]
+    uplink = IggyUplink(iggy, settings.gateway_id, topics=topics, connection=conn)
+    if not settings.downlink.enabled:
+        return uplink, None
+    return uplink, IggyCommandSource(
+        iggy, settings.gateway_id, consumer_name(settings), connection=conn.share()
+    )

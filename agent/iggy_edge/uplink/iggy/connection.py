@@ -42,6 +42,28 @@ Several nodes
     the same message ids, to whichever node is in use.  The SDK 0.9 client
     finds the cluster's leader after login by itself (it redirects), but
     cannot leave a node that is gone, hence this.
+
+What a connection costs the server (issue 23, docs/scaling.md)
+    * A login: with ``token`` set (a personal access token) the client logs
+      in with it on connect (``AutoLogin.personal_access_token``; with SDK
+      reconnection off nothing is ever replayed): the server hashes the token
+      and looks it up.  A password login is an Argon2 verification on the
+      server's shard thread, which answers nothing else meanwhile.
+    * A heartbeat every ``heartbeat_interval_s`` (the SDK pings on its own
+      task whatever else the connection carries; the server counts any
+      request as liveness and evicts a silent client only if it is in a
+      consumer group, which ours never are).  60 s instead of the SDK's
+      5 s: the return poll already makes a request a second; a ping a
+      minute keeps an idle connection (return path off) known to NATs and
+      firewalls.
+    * One connection can carry several callers at once: the SDK takes the
+      socket for one request and its answer at a time (lockstep), so
+      concurrent calls queue in order instead of interleaving.  The agent
+      shares one connection between the uplink and the return path
+      (factory.py).
+    * ``start_jitter`` (the agent's shared connection only): the first
+      connect waits a random 0..start_jitter seconds, so a fleet starting
+      together spreads its logins.
 """
 
 from __future__ import annotations
@@ -51,8 +73,10 @@ import atexit
 import contextlib
 import gc
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from typing import Final, TypeVar
 
 from apache_iggy import AutoLogin, IggyClient, TcpConfig, TcpReconnectionConfig
@@ -102,7 +126,12 @@ class Connection:
     """
 
     def __init__(
-        self, settings: IggySettings, role: str, client_factory: ClientFactory | None = None
+        self,
+        settings: IggySettings,
+        role: str,
+        client_factory: ClientFactory | None = None,
+        *,
+        start_jitter: float = 0.0,
     ) -> None:
         self.settings = settings
         self.role = role
@@ -112,6 +141,15 @@ class Connection:
         self._nodes = settings.nodes
         self._next = 0  # index of the node the next connect starts with
         self.node: str | None = None  # the node of the current client
+        self._start_jitter = start_jitter  # spent by the first connect (module docstring)
+        self.connects = 0  # clients built (each a login), for the fleet bench
+        self._holders = 1  # users that will each close() it (`share`)
+
+    def share(self) -> Connection:
+        """This connection, for one more user: `close` logs out only when
+        the last of them closes it."""
+        self._holders += 1
+        return self
 
     def prefer(self, address: str) -> None:
         """Start the next connect at `address` (one the recovery probe found
@@ -123,7 +161,14 @@ class Connection:
         s = self.settings
         return TcpConfig(
             server_address=address,
-            auto_login=AutoLogin.disabled(),
+            # A token logs in on connect (nothing is replayed: reconnection
+            # is off); a password is sent by `_connect` after connecting.
+            auto_login=(
+                AutoLogin.personal_access_token(s.token.get_secret_value())
+                if s.token is not None
+                else AutoLogin.disabled()
+            ),
+            heartbeat_interval=timedelta(seconds=s.heartbeat_interval_s),
             # No SDK reconnection at all: a lost connection fails the request
             # at once ("Disconnected") and we build a fresh client on the next
             # call.  Checked against server 0.9.0-edge.5: even with
@@ -143,6 +188,10 @@ class Connection:
         async with self._lock:
             if self._client is not None:
                 return self._client
+            if self._start_jitter > 0:
+                jitter, self._start_jitter = random.uniform(0, self._start_jitter), 0.0  # noqa: S311
+                log.info("iggy %s: first connect in %.1fs (start_jitter_s)", self.role, jitter)
+                await asyncio.sleep(jitter)
             problems: list[str] = []
             first_error: UplinkError | None = None
             n = len(self._nodes)
@@ -174,11 +223,14 @@ class Connection:
             raise UplinkRejected(f"iggy {self.role}: bad connection settings: {e}") from e
         deadline = time.monotonic() + s.connect_timeout_s
         connected = False
+        who = "with a token" if s.token is not None else f"as {s.username!r}"
+        self.connects += 1
         try:
-            await wait_for(client.connect(), s.connect_timeout_s)
+            await wait_for(client.connect(), s.connect_timeout_s)  # and the token login, if any
             connected = True
-            remaining = max(0.001, deadline - time.monotonic())
-            await wait_for(client.login_user(s.username, password), remaining)
+            if s.token is None:
+                remaining = max(0.001, deadline - time.monotonic())
+                await wait_for(client.login_user(s.username, password), remaining)
         except TimeoutError as e:
             raise UplinkUnavailable(
                 f"iggy {self.role}: no connection to {address} within {s.connect_timeout_s}s"
@@ -190,9 +242,9 @@ class Connection:
                 raise IncompatibleServer(f"iggy {self.role}: {mismatch}") from e
             hint = f" ({PROTOCOL_HINT})" if connected and "disconnected" in str(e).lower() else ""
             raise UplinkUnavailable(
-                f"iggy {self.role}: cannot connect/log in to {address} as {s.username!r}: {e}{hint}"
+                f"iggy {self.role}: cannot connect/log in to {address} {who}: {e}{hint}"
             ) from e
-        log.info("iggy %s connected to %s as %s", self.role, address, s.username)
+        log.info("iggy %s connected to %s %s", self.role, address, who)
         return client
 
     def drop(self) -> None:
@@ -236,6 +288,9 @@ class Connection:
             raise kind(f"iggy {self.role}: {what}: {e}", confirmed=confirmed) from e
 
     async def close(self) -> None:
+        self._holders -= 1
+        if self._holders > 0:
+            return
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -261,3 +316,26 @@ async def first_reachable(addresses: Sequence[str], timeout: float) -> str | Non
     `timeout` (all tried at once), or None."""
     results = await asyncio.gather(*(_tcp_open(a, timeout) for a in addresses))
     return next((a for a, ok in zip(addresses, results, strict=True) if ok), None)
+
+
+CREATE_PERSONAL_ACCESS_TOKEN_CODE: Final = 42
+
+
+async def create_personal_access_token(conn: Connection, name: str, expiry_s: int = 0) -> str:
+    """A new personal access token of the user `conn` logs in as (the SDK 0.9
+    Python client has no call for it): raw CREATE_PERSONAL_ACCESS_TOKEN, name
+    (u8 length + bytes) and expiry in seconds (u64 LE, 0 = never); the answer
+    is the token (u8 length + bytes).  The server keeps only its hash."""
+    raw = name.encode()
+    if not 1 <= len(raw) <= 255:
+        raise ValueError(f"token name must be 1-255 bytes: {name!r}")
+    client = await conn.client()
+    payload = bytes((len(raw),)) + raw + expiry_s.to_bytes(8, "little")
+    body = bytes(
+        await conn.call(
+            f"create token {name}", client.send_binary_request(CREATE_PERSONAL_ACCESS_TOKEN_CODE, payload)
+        )
+    )
+    if not body or len(body) < 1 + body[0]:
+        raise UplinkRejected(f"iggy {conn.role}: create token {name}: a malformed answer ({len(body)} bytes)")
+    return body[1 : 1 + body[0]].decode()

@@ -13,7 +13,10 @@ Timestamps
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 from apache_iggy import SendMessage
 
@@ -24,6 +27,8 @@ from ..protocol import Lane, UplinkError, UplinkRejected, UplinkUnavailable
 from .connection import ClientFactory, Connection
 from .errors import is_not_found
 from .topics import Topics
+
+LANE_IDLE_S: Final = 60.0  # a lane connection of its own unused this long is closed
 
 
 def _to_send_message(record: OutboundRecord) -> SendMessage:
@@ -42,12 +47,17 @@ class IggyUplink:
     holding the seqs of the groups sent before it.
 
     As a `LanedUplink` (what the forwarder uses) each (stream, topic,
-    partition) is a lane with its own connection, so requests to different
-    partitions run side by side: the server answers one request at a time
-    per connection.  The connections are made on a lane's first send, at
-    most ``settings.uplink_connections`` of them (lanes beyond share them, a
-    lock keeping one request per connection); topic lookups and creation go
-    over the first connection.
+    partition) is a lane, so requests to different partitions can run side
+    by side: the server answers one request at a time per connection.  The
+    first lane uses the uplink's own connection (`connection`, shared with
+    the return path when the factory passes one); more lanes get
+    connections of their own on their first send, at most
+    ``settings.uplink_connections`` in all (lanes beyond share them, a lock
+    keeping one request per connection).  A connection of its own that no
+    send used for ``LANE_IDLE_S`` is closed (logged out): a gateway at rest
+    holds one connection, a draining one up to ``uplink_connections``
+    (issue 23: every connection is a login and a heartbeat for the server).
+    Topic lookups and creation go over the uplink's own connection.
     """
 
     def __init__(
@@ -57,17 +67,19 @@ class IggyUplink:
         *,
         topics: Iterable[tuple[str, str]] = (),
         client_factory: ClientFactory | None = None,
+        connection: Connection | None = None,
     ) -> None:
         self.settings = settings
         self.gateway_id = gateway_id
-        self._conn = Connection(settings, "uplink", client_factory)
+        self._conn = connection or Connection(settings, "uplink", client_factory)
         self._topics = Topics(self._conn)
         self._wanted = tuple(dict.fromkeys(topics))
         self._partitioner = KeyPartitioner()
         self._factory = client_factory
         self._lane_conns: dict[Lane, _LaneConnection] = {}
-        self._pool: list[_LaneConnection] = []
+        self._pool: list[_LaneConnection] = [_LaneConnection(self._conn)]  # [0]: the uplink's own
         self._probe_from: Connection | None = None  # the lane connection that failed last
+        self._reaper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Connect and log in (within connect_timeout_s) and make sure the
@@ -105,18 +117,38 @@ class IggyUplink:
                 # with one connection; see `reachable`.
                 self._probe_from = lc.conn
                 raise
+            finally:
+                lc.used = time.monotonic()
 
     def _lane_connection(self, lane: Lane) -> _LaneConnection:
         lc = self._lane_conns.get(lane)
         if lc is None:
-            if len(self._pool) < self.settings.uplink_connections:
+            if len(self._pool) < self.settings.uplink_connections and self._lane_conns:
                 role = f"uplink lane {len(self._pool) + 1}"
                 lc = _LaneConnection(Connection(self.settings, role, self._factory))
                 self._pool.append(lc)
+                if self._reaper is None or self._reaper.done():
+                    self._reaper = asyncio.create_task(self._reap(), name="iggy-uplink-lane-reaper")
             else:
                 lc = self._pool[len(self._lane_conns) % len(self._pool)]
             self._lane_conns[lane] = lc
         return lc
+
+    async def _reap(self) -> None:
+        """Close the lane connections of their own no send used for
+        LANE_IDLE_S (class docstring); ends when only the first is left."""
+        while len(self._pool) > 1:
+            await asyncio.sleep(LANE_IDLE_S / 2)
+            now = time.monotonic()
+            for lc in self._pool[1:]:
+                if lc.lock.locked() or now - lc.used < LANE_IDLE_S:
+                    continue
+                self._pool.remove(lc)
+                for lane in [k for k, v in self._lane_conns.items() if v is lc]:
+                    del self._lane_conns[lane]
+                if self._probe_from is lc.conn:
+                    self._probe_from = None
+                await lc.conn.close()
 
     async def _send_group(
         self,
@@ -169,17 +201,23 @@ class IggyUplink:
         return self._conn.node
 
     async def close(self) -> None:
-        for lc in self._pool:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for lc in self._pool[1:]:
             await lc.conn.close()
         await self._conn.close()
 
 
 class _LaneConnection:
-    """A lane's connection and the lock that keeps one request on it."""
+    """A lane's connection, the lock that keeps one request on it, and when
+    a send last used it (monotonic)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = asyncio.Lock()
+        self.used = time.monotonic()
 
 
 class IggyCommandSink:

@@ -50,11 +50,12 @@ class IggyCommandSource:
         consumer_name: str,
         *,
         client_factory: ClientFactory | None = None,
+        connection: Connection | None = None,  # the agent's, shared with the uplink (factory.py)
     ) -> None:
         self.settings = settings
         self.gateway_id = gateway_id
         self.consumer_name = consumer_name
-        self._conn = Connection(settings, "command source", client_factory)
+        self._conn = connection or Connection(settings, "command source", client_factory)
         self.polls = 0  # requests, for the return path's load (bench/command_latency_bench.py)
         self.probes = 0
 
