@@ -121,6 +121,14 @@ class Device:
             from .receipts import Receipts
 
             self.receipts = Receipts(self)
+        self._b_ota = codec.topic(self._prefix, dev, "down", "ota").encode()
+        self._ota = None  # ota.py: loaded with the first down/ota message, or now when
+        try:  # an update is pending (a download to resume, a trial, a report)
+            from . import otastate
+
+            self.app_v, pending = otastate.info()
+        finally:
+            unload("otastate")
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -132,6 +140,11 @@ class Device:
             "bad_messages": 0,
             "inbox_full": 0,
         }
+        if pending:
+            try:
+                self._ota_get()
+            except MemoryError as e:  # it comes again with the next down/ota message
+                self._oom(e)
 
     # -- application API --------------------------------------------------------
     def command(self, name):
@@ -158,6 +171,8 @@ class Device:
         codec.check_channel(channel)
         n = self.seq.next()
         self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading, _own))
+        if self._ota is not None and not _own:
+            self._ota.published(n)  # an update's trial confirms with its first reading
         return n
 
     def poll(self):
@@ -180,6 +195,8 @@ class Device:
             self._drain(self.cfg.drain_per_poll)
             self._report_drops()
             self._liveness()
+            if self._ota is not None:
+                self._ota.poll()
         except NET_ERRORS as e:
             self._lost(e)
         except MemoryError as e:
@@ -297,6 +314,7 @@ class Device:
         # no key of their own, the diag document stays under a dict size that
         # needs a larger contiguous block (about 8 kB more heap on the Unix port)
         d["bad_messages"] += wire.refused
+        d["app_v"] = self.app_v  # ota.json: the version over-the-air updates installed
         return d
 
     def log(self, *args):
@@ -397,6 +415,8 @@ class Device:
                 c.subscribe(self._t_cmd, 1)
                 self.hw.feed()
                 c.subscribe(self._t_config, 1)
+                self.hw.feed()
+                c.subscribe(self._b_ota, 1)
                 self.hw.feed()
             except NET_ERRORS:
                 _close(c)
@@ -555,6 +575,8 @@ class Device:
                     self._inbound().config(msg)
                 elif self.receipts is not None and topic == self.receipts.topic_b:
                     self.receipts.handle(msg)
+                elif topic == self._b_ota:
+                    self._ota_get().handle(msg)
             except MemoryError as e:
                 self._oom(e)
                 if topic == self._b_cmd:
@@ -570,6 +592,13 @@ class Device:
                 self.log("command lost: out of memory, no id found")
         except MemoryError as e:
             self.log("command lost: out of memory", repr(e))
+
+    def _ota_get(self):
+        if self._ota is None:
+            from .ota import Ota
+
+            self._ota = Ota(self)
+        return self._ota
 
     def _inbound(self):
         h = self._in
