@@ -180,6 +180,8 @@ class Device:
         drain the buffer, keep the session alive.  Never blocks longer than a
         connection attempt."""
         self.hw.feed()
+        if self._ota is not None:
+            self._ota.poll()  # an update's trial: confirmed, or out of time (connected or not)
         if self._inbox:
             self._handle_inbox()  # taken in before a reconnect for the rest
         if self._client is None and not self._connect_if_due():
@@ -195,8 +197,6 @@ class Device:
             self._drain(self.cfg.drain_per_poll)
             self._report_drops()
             self._liveness()
-            if self._ota is not None:
-                self._ota.poll()
         except NET_ERRORS as e:
             self._lost(e)
         except MemoryError as e:

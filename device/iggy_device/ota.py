@@ -77,9 +77,15 @@ class Ota:
             self.first = seq
 
     def poll(self):
-        """From Device.poll: the trial's confirmation or its deadline, the
-        greeting of a new session, a pending report.  Drops the receiver
-        once nothing is pending."""
+        """From Device.poll, connected or not: the trial's confirmation or
+        its deadline, the greeting of a new session, a pending report.
+        Drops the receiver once nothing is pending."""
+        try:
+            self._poll()
+        except MemoryError as e:
+            self.dev._oom(e)  # next time
+
+    def _poll(self):
         dev = self.dev
         st = self.st
         c = dev._client

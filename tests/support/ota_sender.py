@@ -189,11 +189,12 @@ class OtaSender:
         flip: tuple[int, int] | None = None,
         mpy: int | None = None,
         prefix: str = "edge",
+        doc: dict[str, Any] | None = None,
     ) -> None:
         self.device = device
         self.uid = uid
         self.data = list(files.values())
-        self.doc = manifest(uid, version, files, mpy)
+        self.doc = doc if doc is not None else manifest(uid, version, files, mpy)  # doc: a bad one, for tests
         self.chunk = chunk
         self.resend_s = resend_s
         self.flip = flip
