@@ -88,6 +88,13 @@ class Ota:
     def _poll(self):
         dev = self.dev
         st = self.st
+        if dev._client is not None and dev.stats["connects"] != self.conn:
+            self.conn = dev.stats["connects"]  # a new session: say where the board is
+            tr = st.get("trial")
+            if tr is not None:
+                self.reply({"id": tr["id"], "st": "trial", "v": st.get("v")})
+            else:
+                self.reply_need()
         c = dev._client
         if "trial" in st:
             if self.first is not None and c is not None and _released(dev.ring, self.first):
@@ -98,13 +105,6 @@ class Ota:
                 self.fail_trial("not confirmed within " + str(st.get("t", 300)) + " s")
         if c is None:
             return
-        if dev.stats["connects"] != self.conn:
-            self.conn = dev.stats["connects"]
-            tr = st.get("trial")
-            if tr is not None:
-                self.reply({"id": tr["id"], "st": "trial", "v": st.get("v")})
-            else:
-                self.reply_need()
         rep = st.get("rep")
         if rep is not None and self.reply(rep):
             st.pop("rep", None)

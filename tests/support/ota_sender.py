@@ -1,5 +1,5 @@
 """OTA test parts at the MQTT boundary we own (issue 21), for the board-side tests
-and bench/ota_bench.py until the agent's updater (h21g) is merged.
+and bench/ota_device_bench.py until the agent's updater (h21g) is merged.
 
 - ``install_ota_board``: the flash layout provisioning writes for over-the-air
   updates (device/README.md, "Over-the-air updates"): /main.py the fixed loader,

@@ -19,7 +19,7 @@ Prints one JSON line per figure:
                                      (--min-heap; beside bench/device_min_heap.py's
                                      figure for env_sensor alone)
 
-Run: .venv/bin/python bench/ota_bench.py [--kb 30] [--min-heap --lo 64 --hi 160]
+Run: .venv/bin/python bench/ota_device_bench.py [--kb 30] [--min-heap --lo 64 --hi 160]
 On the 32-bit float32 build: the same with .venv32/bin/python.
 """
 
