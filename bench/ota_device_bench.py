@@ -55,6 +55,7 @@ from tests.support.micropython import (  # noqa: E402
 )
 from tests.support.ota_sender import OtaSender, Supervisor, app_files, install_ota_board  # noqa: E402
 
+CHUNK = 1024  # the gateway's chunk; the board asks for at most its own ("n" in need)
 _CODE_HEAP = """
 import gc, sys
 sys.path.insert(0, "lib")
@@ -159,7 +160,7 @@ def update_once(
             sup.stop()
             return {"ok": False, "why": "never connected", "console": flash.text("_console.log")[-300:]}
         time.sleep(0.05)
-    sender = OtaSender(broker, dev, "u-" + dev, "2", files)
+    sender = OtaSender(broker, dev, "u-" + dev, "2", files, chunk=CHUNK)
     try:
         result = sender.wait_result(120)
     except AssertionError as e:
@@ -170,7 +171,9 @@ def update_once(
         sup.stop()
     console = flash.text("_console.log")
     probe: dict[str, Any] = {
-        "ok": result.get("st") == "done" and "fatal" not in console and "MemoryError" not in console,
+        # a MemoryError the library caught (a message refused, a session restarted) is
+        # counted, not a failure: the update goes on; a fatal one (reset) is
+        "ok": result.get("st") == "done" and "fatal" not in console,
         "result": result.get("st"),
         "seconds": round((sender.finished or time.monotonic()) - sender.started, 2),
         "total_bytes": sender.doc["total"],
@@ -184,6 +187,39 @@ def update_once(
     if not probe["ok"]:
         probe["console"] = console[-400:]
     return probe
+
+
+def layout_runs(tmp: Path, broker: Broker, heap_k: int, cycles: int) -> dict[str, Any]:
+    """env_sensor in the OTA layout (the loader, the app in a slot), no update:
+    as bench/device_min_heap.py's probe (300 readings, receipts on and answered)."""
+    dev = f"otalayout-{uuid.uuid4().hex[:8]}"
+    flash = Flash(tmp / dev)
+    cfg = {"device_id": dev, "broker": broker.host, "port": broker.port, "period_ms": 0, "cycles": cycles}
+    install_ota_board(flash, "1", {**cfg, "wdt_ms": 0})
+    board = Board(flash, heapsize=f"{heap_k}k").start()
+    rc = board.wait(180)
+    console = board.console()
+    probe: dict[str, Any] = {"heap_k": heap_k, "ok": False, "sent": 0}
+    if rc == 0 and "IGGY-DONE" in console and "fatal" not in console:
+        done = board.done()
+        probe["sent"] = done.get("sent", 0)
+        probe["ok"] = probe["sent"] >= cycles and done.get("receipt_mode") == "on"
+    else:
+        probe["last"] = console.strip().splitlines()[-1][:160] if console.strip() else ""
+    return probe
+
+
+def search(lo: int, hi: int, step: int, probe: Any) -> tuple[int | None, int]:
+    """Smallest heap (k) in lo..hi for which ``probe(k)["ok"]``: (None, hi) if hi fails."""
+    if not probe(hi)["ok"]:
+        return None, hi
+    while hi - lo > step:
+        mid = max(lo + step, (lo + hi) // 2 // step * step)
+        if probe(mid)["ok"]:
+            hi = mid
+        else:
+            lo = mid
+    return hi, lo
 
 
 def main() -> None:

@@ -122,13 +122,16 @@ class Device:
 
             self.receipts = Receipts(self)
         self._b_ota = codec.topic(self._prefix, dev, "down", "ota").encode()
-        self._ota = None  # ota.py: loaded with the first down/ota message, or now when
-        try:  # an update is pending (a download to resume, a trial, a report)
-            from . import otastate
-
-            self.app_v, pending = otastate.info()
-        finally:
-            unload("otastate")
+        # ota.py: loaded with the first down/ota message, or now when an update
+        # is pending (a trial, a report to send, a download to resume)
+        self._ota = None
+        raw = fsutil.read("ota.json") or b"{}"
+        try:
+            self.app_v = json.loads(raw).get("v")  # the version over-the-air updates installed
+        except (ValueError, AttributeError):
+            self.app_v = None
+        pending = b'"trial"' in raw or b'"rep"' in raw or fsutil.exists("s/m.json")
+        raw = None
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -314,7 +317,7 @@ class Device:
         # no key of their own, the diag document stays under a dict size that
         # needs a larger contiguous block (about 8 kB more heap on the Unix port)
         d["bad_messages"] += wire.refused
-        d["app_v"] = self.app_v  # ota.json: the version over-the-air updates installed
+        d["app_v"] = self.app_v
         return d
 
     def log(self, *args):

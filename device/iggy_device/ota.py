@@ -27,18 +27,16 @@ from . import fsutil, unload
 from .node import NET_ERRORS
 
 _SEP = (",", ":")
+# bytes of data a chunk may carry (the "n" of need): umqtt takes a message in
+# one allocation, and on a board's fragmented heap 1 kB was the one that failed
+CHUNK = 512
 _RETRIES = 3  # a file whose sha256 fails more often in one boot fails the update
-MANIFEST = "s/m.json"  # as otastate.MANIFEST (not imported: heap)
 
 
 def _state():
     from . import otastate
 
     return otastate
-
-
-def _done_with(name):
-    unload(name)
 
 
 class Ota:
@@ -48,8 +46,8 @@ class Ota:
         self.topic = (cfg.topic_prefix + "/" + cfg.device_id + "/up/ota").encode()
         s = _state()
         self.st = s.load()
-        _done_with("otastate")
-        self.m = None  # the manifest being downloaded, with its "slot"
+        self.m = s.on_flash(self.st)  # the manifest being downloaded (with its "slot"), or None
+        unload("otastate")
         self.need = None  # [file, offset] wanted next
         self.fails = 0
         self.first = None  # seq of this boot's first reading (trial)
@@ -57,17 +55,6 @@ class Ota:
         # dev.stats["connects"] of the session greeted (with need, trial): not
         # this one when a message of it loaded the receiver (it gets its answer)
         self.conn = dev.stats["connects"] if dev._client is not None else -1
-        if fsutil.exists(MANIFEST):
-            try:
-                with open(MANIFEST) as f:
-                    m = json.load(f)  # from the stream: no copy of the file
-                tr = self.st.get("trial")
-                if m["slot"] != self.st["cur"] and not (tr and tr["id"] == m["id"]):
-                    self.m = m
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # torn: the gateway sends the manifest again
-            if self.m is None:
-                fsutil.remove(MANIFEST)  # switched before it was removed, or torn
         if self.m is not None:
             self.resume()
 
@@ -99,20 +86,20 @@ class Ota:
         if "trial" in st:
             if self.first is not None and c is not None and _released(dev.ring, self.first):
                 _state().confirm(st)
-                _done_with("otastate")
+                unload("otastate")
                 dev.log("ota: confirmed", st.get("v"))
             elif time.ticks_diff(time.ticks_ms(), self.t0) > st.get("t", 300) * 1000:
-                self.fail_trial("not confirmed within " + str(st.get("t", 300)) + " s")
+                _state().fail_trial(self, "not confirmed within " + str(st.get("t", 300)) + " s")
         if c is None:
             return
         rep = st.get("rep")
         if rep is not None and self.reply(rep):
             st.pop("rep", None)
             _state().save(st)
-            _done_with("otastate")
+            unload("otastate")
         if "trial" not in st and "rep" not in st and self.m is None:
             dev._ota = None  # nothing pending: drop this code (heap)
-            _done_with("ota")
+            unload("ota")
 
     def handle(self, msg):
         i = msg.find(b"\n")
@@ -130,7 +117,7 @@ class Ota:
             try:
                 otaman.handle(self, t, doc)
             finally:
-                _done_with("otaman")
+                unload("otaman")
         else:
             self.dev.stats["bad_messages"] += 1
             self.dev.log("ota: bad message")
@@ -142,7 +129,7 @@ class Ota:
             from . import otaman
 
             otaman.handle(self, "q", doc)  # a stray chunk: say where the board is
-            _done_with("otaman")
+            unload("otaman")
             return
         f, o = doc.get("f"), doc.get("o")
         if [f, o] != self.need:
@@ -190,37 +177,18 @@ class Ota:
                     from . import otaman
 
                     otaman.fail(self, m["id"], "sha256 of " + path + " does not match")
-                    _done_with("otaman")
+                    unload("otaman")
                     return False
                 self.need = [i, 0]
                 return True
             self.dev.hw.feed()
-        self.reply({"id": m["id"], "st": "staged", "v": m["v"]})
-        self.m = self.need = None  # what shutdown() still handles is answered "trial"
-        s = _state()
-        s.switch(self.st, m["slot"], m["id"], m["v"])  # the atomic step
-        fsutil.remove(MANIFEST)
-        self.reset("switched to " + m["v"])
+        _state().staged(self, m)  # the switch; resets
         return False
-
-    def fail_trial(self, why):
-        last = fsutil.read("fatal.txt")
-        if last:
-            why += ": " + last.decode()
-        _state().roll_back(self.st, why)
-        self.reset("rolled back to " + str(self.st.get("v")) + " - " + why)
-
-    def reset(self, why):
-        self.dev.log("ota:", why, "- reset")
-        self.dev.shutdown()
-        import machine
-
-        machine.reset()
 
     # -- replies ----------------------------------------------------------------
     def reply_need(self):
         if self.need is not None:
-            self.reply({"id": self.m["id"], "st": "need", "f": self.need[0], "o": self.need[1]})
+            self.reply({"id": self.m["id"], "st": "need", "f": self.need[0], "o": self.need[1], "n": CHUNK})
 
     def reply(self, doc):
         """QoS1 on up/ota; False when not connected (the next session's

@@ -13,8 +13,9 @@
 #               the staging slot is the one that is not "cur"
 #   s/m.json    the manifest of a download in progress (with its slot)
 #   fatal.txt   the last uncaught error; a rollback writes its reason here
-# A board without ota.json runs slot "a" (provisioning wrote it).
-# Pure: json + fsutil.
+# A board without ota.json runs slot "a" (provisioning wrote it).  Loaded
+# in a trial, for an update's rare steps, and for failures; then dropped.
+# Pure: json + fsutil (machine only to reset).
 import json
 
 from . import fsutil
@@ -43,14 +44,6 @@ def save(st):
     fsutil.write_atomic(STATE, json.dumps(st, separators=_SEP).encode())
 
 
-def info():
-    """(running app version, something pending) for the Device at boot:
-    pending means a trial to confirm, a report to send or a download to
-    resume, so the receiver (ota.py) is loaded."""
-    st = load()
-    return st.get("v"), "trial" in st or "rep" in st or fsutil.exists(MANIFEST)
-
-
 def slot_dir(name):
     return "s/" + name
 
@@ -59,51 +52,29 @@ def other(name):
     return "b" if name == "a" else "a"
 
 
-def boot():
-    """At boot, before the app: count a trial boot (and roll back when the
-    trial has used its boots), then put the running slot first on sys.path
-    and make the library load afresh (from the slot's lib/ when the update
-    brought one).  Returns whether a trial runs; None in safe mode."""
-    if fsutil.exists("safe"):
-        print("[iggy] safe mode: /safe exists - not starting")
-        return None
+def count_boot():
+    """The loader, at a trial boot: count it, and roll back when the trial
+    has used its boots (before anything of it runs).  Returns whether the
+    trial goes on."""
     st = load()
     tr = st.get("trial")
-    if tr is not None:
-        tr["boots"] = tr.get("boots", 0) + 1
-        if tr["boots"] > st.get("n", N_BOOTS):
-            why = "not confirmed in " + str(tr["boots"] - 1) + " boots"
-            last = fsutil.read(FATAL)
-            if last:
-                try:
-                    why += ": " + last.decode()
-                except UnicodeError:
-                    pass
-            roll_back(st, why)
-            print("[iggy] ota: rolled back to", st.get("v"), "-", why)
-            tr = None
-        else:
-            save(st)
-            print("[iggy] ota: trial boot", tr["boots"], "of", st.get("n", N_BOOTS), "of", st.get("v"))
-    slot = slot_dir(st["cur"])
-    trial = tr is not None
-    if not (fsutil.exists(slot + "/main.py") or fsutil.exists(slot + "/main.mpy")):
-        import_failed(ImportError("no main.py in " + slot), trial)  # resets
-    import sys
-
-    sys.path.insert(0, slot + "/lib")
-    sys.path.insert(0, slot)
-    forget()
-    return trial
-
-
-def forget():
-    """Out of sys.modules: the library (and a failed app's ``main``)."""
-    import sys
-
-    for k in list(sys.modules):
-        if k in ("main", "iggy_device") or k.startswith("iggy_device."):
-            del sys.modules[k]
+    if tr is None:
+        return False
+    tr["boots"] = tr.get("boots", 0) + 1
+    if tr["boots"] <= st.get("n", N_BOOTS):
+        save(st)
+        print("[iggy] ota: trial boot", tr["boots"], "of", st.get("n", N_BOOTS), "of", st.get("v"))
+        return True
+    why = "not confirmed in " + str(tr["boots"] - 1) + " boots"
+    last = fsutil.read(FATAL)
+    if last:
+        try:
+            why += ": " + last.decode()
+        except UnicodeError:
+            pass
+    roll_back(st, why)
+    print("[iggy] ota: rolled back to", st.get("v"), "-", why)
+    return False
 
 
 def switch(st, slot, uid, v):
@@ -144,6 +115,52 @@ def roll_back(st, why):
     except OSError:
         pass  # a full flash: the report still carries it
     save(st)
+
+
+def on_flash(st):
+    """The manifest of the download in progress (ota.py), or None; one
+    left over from before a switch (or torn) is removed."""
+    if not fsutil.exists(MANIFEST):
+        return None
+    m = None
+    try:
+        with open(MANIFEST) as f:
+            m = json.load(f)  # from the stream: no copy of the file
+        tr = st.get("trial")
+        if m["slot"] == st["cur"] or (tr and tr["id"] == m["id"]):
+            m = None  # switched before it was removed
+    except (OSError, ValueError, KeyError, TypeError):
+        m = None  # torn: the gateway sends the manifest again
+    if m is None:
+        fsutil.remove(MANIFEST)
+    return m
+
+
+def staged(o, m):
+    """Every file of ``m`` is in the staging slot, its sha256 checked: say
+    so, switch, reset into the trial."""
+    o.reply({"id": m["id"], "st": "staged", "v": m["v"]})
+    o.m = o.need = None  # what shutdown() still handles is answered "trial"
+    switch(o.st, m["slot"], m["id"], m["v"])  # the atomic step
+    fsutil.remove(MANIFEST)
+    reset(o.dev, "switched to " + m["v"])
+
+
+def fail_trial(o, why):
+    """The running trial failed in this boot (no confirmation in time)."""
+    last = fsutil.read(FATAL)
+    if last:
+        why += ": " + last.decode()
+    roll_back(o.st, why)
+    reset(o.dev, "rolled back to " + str(o.st.get("v")) + " - " + why)
+
+
+def reset(dev, why):
+    dev.log("ota:", why, "- reset")
+    dev.shutdown()
+    import machine
+
+    machine.reset()
 
 
 def import_failed(err, trial):

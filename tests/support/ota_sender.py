@@ -281,8 +281,8 @@ class OtaSender:
         if self._last is not None:
             self._send(self._last)
 
-    def _chunk(self, f: int, o: int, corrupt: bool) -> None:
-        data = self.data[f][o : o + self.chunk]
+    def _chunk(self, f: int, o: int, corrupt: bool, n: int | None = None) -> None:
+        data = self.data[f][o : o + min(self.chunk, n or self.chunk)]
         head = {"t": "c", "id": self.uid, "f": f, "o": o, "h": hashlib.sha256(data).hexdigest()}
         if corrupt:
             data = bytes([data[0] ^ 0x01]) + data[1:]
@@ -311,7 +311,7 @@ class OtaSender:
             corrupt = st == "need" and self.flip == (f, o)
             if corrupt:
                 self.flip = None  # once
-            self._chunk(f, o, corrupt)
+            self._chunk(f, o, corrupt, doc.get("n"))  # at most what the board asks for
         elif st in ("staged", "trial"):
             self._last = None  # nothing to resend: the board reboots and reports
 
