@@ -6,7 +6,7 @@ import json
 from . import fsutil, otastate
 
 MAX_TOTAL = 262144  # bytes of one update: the board's bound
-MAX_FILES = 16
+MAX_FILES = 32  # an app and the library (--with-library: 19 modules); a 32-file manifest is ~3.6 kB
 MARGIN = 32768  # flash that stays free once the staging slot is full
 _PATH = "abcdefghijklmnopqrstuvwxyz0123456789_./-"
 _ID = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
@@ -29,7 +29,17 @@ def handle(o, t, doc):
         elif o.need is not None:
             o.reply_need()
         else:
-            o.reply({"id": st.get("id"), "st": "idle", "v": st.get("v")})
+            import sys
+
+            mpy = getattr(sys.implementation, "_mpy", None)  # the gateway checks its .mpy files early
+            o.reply(
+                {
+                    "id": st.get("id"),
+                    "st": "idle",
+                    "v": st.get("v"),
+                    "mpy": None if mpy is None else mpy & 0xFF,
+                }
+            )
         return
     if t == "x":
         if o.m is not None and uid in (None, o.m["id"]):
