@@ -162,7 +162,7 @@ def update_once(
         time.sleep(0.05)
     sender = OtaSender(broker, dev, "u-" + dev, "2", files, chunk=CHUNK)
     try:
-        result = sender.wait_result(120)
+        result = sender.wait_result(60)
     except AssertionError as e:
         result = {"st": "none", "why": str(e)[:200]}
     finally:
@@ -268,27 +268,43 @@ def main() -> None:
                 flush=True,
             )
             if args.min_heap:
-                lo, hi = args.lo, args.hi
-                best = update_once(tmp, broker, f"{hi}k", args.kb, receipts=True)
-                print(json.dumps({"bench": "ota_min_heap_probe", "heap_k": hi, **best}), flush=True)
-                if best["ok"]:
-                    while hi - lo > args.step:
-                        mid = max(lo + args.step, (lo + hi) // 2 // args.step * args.step)
-                        probe = update_once(tmp, broker, f"{mid}k", args.kb, receipts=True)
-                        print(json.dumps({"bench": "ota_min_heap_probe", "heap_k": mid, **probe}), flush=True)
-                        if probe["ok"]:
-                            hi, best = mid, probe
-                        else:
-                            lo = mid
+
+                def layout(k: int) -> dict[str, Any]:
+                    p = layout_runs(tmp, broker, k, 300)
+                    print(json.dumps({"bench": "ota_layout_min_heap_probe", **p}), flush=True)
+                    return p
+
+                def with_update(k: int) -> dict[str, Any]:
+                    p = update_once(tmp, broker, f"{k}k", args.kb, receipts=True)
+                    p.pop("console", None)
+                    print(json.dumps({"bench": "ota_min_heap_probe", "heap_k": k, **p}), flush=True)
+                    return p
+
+                ok, failing = search(args.lo, args.hi, args.step, layout)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "ota_layout_min_heap",
+                            "what": "env_sensor in the OTA layout, no update, 300 readings receipted",
+                            "smallest_ok_k": ok,
+                            "largest_failing_k": failing,
+                            "word_bytes": word_bytes(),
+                        }
+                    ),
+                    flush=True,
+                )
+                ok, failing = search(args.lo, args.hi, args.step, with_update)
                 print(
                     json.dumps(
                         {
                             "bench": "ota_min_heap",
+                            "what": f"env_sensor publishing while a {args.kb} kB update is applied",
                             "kb": args.kb,
-                            "smallest_ok_k": hi if best["ok"] else None,
-                            "largest_failing_k": lo,
+                            "smallest_ok_k": ok,
+                            "largest_failing_k": failing,
                             "word_bytes": word_bytes(),
                             "receipts_answered": responder.receipts,
+                            "load": [round(x, 2) for x in os.getloadavg()],
                         }
                     ),
                     flush=True,
