@@ -121,17 +121,17 @@ class Device:
             from .receipts import Receipts
 
             self.receipts = Receipts(self)
-        self._b_ota = codec.topic(self._prefix, dev, "down", "ota").encode()
-        # ota.py: loaded with the first down/ota message, or now when an update
+        # ota.py: loaded with the first down/ota message, or below when an update
         # is pending (a trial, a report to send, a download to resume)
         self._ota = None
-        raw = fsutil.read("ota.json") or b"{}"
-        try:
-            self.app_v = json.loads(raw).get("v")  # the version over-the-air updates installed
-        except (ValueError, AttributeError):
-            self.app_v = None
-        pending = b'"trial"' in raw or b'"rep"' in raw or fsutil.exists("s/m.json")
-        raw = None
+        self.app_v = None  # the version over-the-air updates installed (ota.json)
+        raw = fsutil.read("ota.json")
+        if raw:
+            try:
+                self.app_v = json.loads(raw).get("v")
+            except (ValueError, AttributeError):
+                pass
+            raw = b'"trial"' in raw or b'"rep"' in raw or fsutil.exists("s/m.json")
         self.stats = {
             "connects": 0,
             "conn_failures": 0,
@@ -143,7 +143,7 @@ class Device:
             "bad_messages": 0,
             "inbox_full": 0,
         }
-        if pending:
+        if raw is True:
             try:
                 self._ota_get()
             except MemoryError as e:  # it comes again with the next down/ota message
@@ -317,7 +317,8 @@ class Device:
         # no key of their own, the diag document stays under a dict size that
         # needs a larger contiguous block (about 8 kB more heap on the Unix port)
         d["bad_messages"] += wire.refused
-        d["app_v"] = self.app_v
+        if self.app_v is not None:
+            d["app_v"] = self.app_v
         return d
 
     def log(self, *args):
@@ -419,7 +420,7 @@ class Device:
                 self.hw.feed()
                 c.subscribe(self._t_config, 1)
                 self.hw.feed()
-                c.subscribe(self._b_ota, 1)
+                c.subscribe(codec.topic(self._prefix, cfg.device_id, "down", "ota"), 1)
                 self.hw.feed()
             except NET_ERRORS:
                 _close(c)
@@ -578,7 +579,7 @@ class Device:
                     self._inbound().config(msg)
                 elif self.receipts is not None and topic == self.receipts.topic_b:
                     self.receipts.handle(msg)
-                elif topic == self._b_ota:
+                elif topic.endswith(b"/ota"):  # down/ota: the only other topic subscribed
                     self._ota_get().handle(msg)
             except MemoryError as e:
                 self._oom(e)
