@@ -55,6 +55,12 @@ class InboxFull(OSError):
 
 
 class Device:
+    # ota.py: loaded with the first down/ota message, or in __init__ when an
+    # update is pending (a trial, a report to send, a download to resume).
+    # Class attributes until then: no more entries in every Device's table.
+    _ota = None
+    app_v = None  # the version over-the-air updates installed (ota.json)
+
     def __init__(self, cfg, hw=None):
         self.cfg = cfg
         self._log_level = cfg.log
@@ -121,11 +127,7 @@ class Device:
             from .receipts import Receipts
 
             self.receipts = Receipts(self)
-        # ota.py: loaded with the first down/ota message, or below when an update
-        # is pending (a trial, a report to send, a download to resume)
-        self._ota = None
-        self.app_v = None  # the version over-the-air updates installed (ota.json)
-        raw = fsutil.read("ota.json")
+        raw = fsutil.read("ota.json")  # over-the-air updates (see _ota, app_v)
         if raw:
             try:
                 self.app_v = json.loads(raw).get("v")

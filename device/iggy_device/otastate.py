@@ -15,7 +15,7 @@
 #   fatal.txt   the last uncaught error; a rollback writes its reason here
 # A board without ota.json runs slot "a" (provisioning wrote it).  Loaded
 # in a trial, for an update's rare steps, and for failures; then dropped.
-# Pure: json + fsutil (machine only to reset).
+# Pure: json + fsutil (a reset through boot.py).
 import json
 
 from . import fsutil
@@ -158,9 +158,13 @@ def fail_trial(o, why):
 def reset(dev, why):
     dev.log("ota:", why, "- reset")
     dev.shutdown()
-    import machine
+    _reset()
 
-    machine.reset()
+
+def _reset():
+    from . import boot  # the hardware (machine) is boot.py's and hw.py's
+
+    boot.machine.reset()
 
 
 def import_failed(err, trial):
@@ -174,9 +178,7 @@ def import_failed(err, trial):
         if "trial" in st:
             roll_back(st, why)
             print("[iggy] ota: rolled back to", st.get("v"), "-", why)
-            import machine
-
-            machine.reset()
+            _reset()
     from . import boot
 
     boot.fatal(err, None, False)
