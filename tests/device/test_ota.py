@@ -63,7 +63,7 @@ class OtaBoard:
         self.board = Board(self.flash, heapsize=heap)
         self.sup = Supervisor(self.board)
         self.senders: list[OtaSender] = []
-        wait_console(self.board, CONNECTED, what="v1 connected")
+        wait_console(self.board, CONNECTED, what="v1 connected", timeout=60)
 
     def send(self, version: str, files: dict[str, bytes] | None = None, **kw: Any) -> OtaSender:
         uid = kw.pop("uid", f"u{version}-{self.dev[-8:]}")
@@ -114,7 +114,7 @@ def test_an_update_is_applied_confirmed_and_reported_with_the_new_version(
     try:
         new = app_files("2", pad=6000)
         s = b.send("2", new)
-        result = s.wait_result(60)
+        result = s.wait_result(120)
         assert result == {"id": s.uid, "st": "done", "v": "2"}
         states = s.states()
         # need ... staged (old version), trial (new version, informational), done
@@ -159,7 +159,7 @@ def test_a_broken_app_rolls_back_by_itself_and_reports_rolled_back_with_the_reas
     state, why = BROKEN[broken]
     b = ota_board(state=state)
     s = b.send("2", app_files("2", broken=broken))
-    result = s.wait_result(90)
+    result = s.wait_result(180)
     assert result["st"] == "rolled_back", result
     assert result["v"] == "1"  # the version running again
     assert result["why"].startswith(why), result
@@ -183,7 +183,7 @@ def test_a_flipped_byte_in_a_chunk_is_detected_and_the_chunk_fetched_again(
     b = ota_board()
     new = app_files("2", pad=4000)
     s = b.send("2", new, flip=(0, 1024))
-    assert s.wait_result(60)["st"] == "done"
+    assert s.wait_result(120)["st"] == "done"
     bad = [r for r in s.replies if r["st"] == "bad"]
     assert bad == [{"id": s.uid, "st": "bad", "f": 0, "o": 1024}]
     assert _sha(b.slot_files("b")) == _sha(new)
@@ -206,7 +206,7 @@ def test_a_file_damaged_on_flash_is_found_by_its_sha256_and_fetched_again(
     staged.write_bytes(bytes(data) + new["main.py"][len(data) :])
     b.sup = Supervisor(b.board)
     s.resume()
-    assert s.wait_result(60)["st"] == "done"
+    assert s.wait_result(120)["st"] == "done"
     assert "main.py sha256 does not match: fetching it again" in b.console()
     assert _sha(b.slot_files("b")) == _sha(new)
 
@@ -219,11 +219,11 @@ def test_a_reconnect_mid_download_resumes_where_it_stopped(ota_board: Callable[.
     wait_until(s._paused.is_set, 30, what="8 chunks")
     before = [r for r in s.replies if r["st"] == "need"][-1]
     b.flash.path("_hw_wifi_down").write_text("")
-    wait_console(b.board, "connection lost", what="the link drop")
+    wait_console(b.board, "connection lost", what="the link drop", timeout=60)
     b.flash.path("_hw_wifi_down").unlink()
-    wait_console(b.board, CONNECTED, 2, what="reconnected")
+    wait_console(b.board, CONNECTED, 2, what="reconnected", timeout=60)
     s.resume()
-    assert s.wait_result(60)["st"] == "done"
+    assert s.wait_result(120)["st"] == "done"
     needs = [(r["f"], r["o"]) for r in s.replies if r["st"] == "need"]
     i = needs.index((before["f"], before["o"]))
     assert before["o"] > 0
@@ -240,13 +240,13 @@ def test_a_reboot_mid_download_resumes_from_what_is_on_flash(ota_board: Callable
     wait_until(s._paused.is_set, 30, what="9 chunks")
     before = [r for r in s.replies if r["st"] == "need"][-1]
     b.sup.power_cut()
-    wait_console(b.board, CONNECTED, 2, what="booted again")
+    wait_console(b.board, CONNECTED, 2, what="booted again", timeout=60)
     # the board greets the new session with what it needs: where it stopped
     wait_until(lambda: len([r for r in s.replies if r["st"] == "need"]) > 9, 20, what="a need")
     after = [r for r in s.replies if r["st"] == "need"][-1]
     assert (after["f"], after["o"]) == (before["f"], before["o"])
     s.resume()
-    assert s.wait_result(60)["st"] == "done"
+    assert s.wait_result(120)["st"] == "done"
     assert _sha(b.slot_files("b")) == _sha(new)
     assert booted_versions(b.console()) == [("1", "1"), ("1", "1"), ("2", "2")]
 

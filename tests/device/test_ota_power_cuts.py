@@ -51,7 +51,7 @@ def test_power_cuts_during_download_and_switch_boot_the_old_or_the_new_version_n
             s.wait_state(where, 60)
         b.sup.power_cut()
         where_cut.append(f"{where}@{len(s.replies)}")
-        r = s.wait_result(90)
+        r = s.wait_result(180)
         assert r["st"] in ("done", "failed"), (seed, i, r)
         if r["st"] == "done":
             running = new
