@@ -54,6 +54,11 @@ class InboxFull(OSError):
 class Device:
     _diag_skipped = 0  # diag messages the heap had no block for (set on the instance)
     _diag_at = 0
+    # ota.py: loaded with the first down/ota message, or in __init__ when an
+    # update is pending (a trial, a report to send, a download to resume).
+    # Class attributes until then: no more entries in every Device's table.
+    _ota = None
+    app_v = None  # the version over-the-air updates installed (ota.json)
 
     def __init__(self, cfg, hw=None):
         # the body is devinit.py, boot-only (heap): loaded for the one
@@ -68,6 +73,18 @@ class Device:
         finally:
             unload("devinit")
         self.receipts = None if R is None else R(self)  # receipts.py, loaded only when on (heap)
+        raw = fsutil.read("ota.json")  # over-the-air updates (see _ota, app_v)
+        if raw:
+            try:
+                self.app_v = json.loads(raw).get("v")
+            except (ValueError, AttributeError):
+                pass
+            raw = b'"trial"' in raw or b'"rep"' in raw or fsutil.exists("s/m.json")
+        if raw is True:
+            try:
+                self._ota_get()
+            except MemoryError as e:  # it comes again with the next down/ota message
+                self._oom(e)
 
     # -- application API --------------------------------------------------------
     def command(self, name):
@@ -94,6 +111,8 @@ class Device:
         codec.check_channel(channel)
         n = self.seq.next()
         self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading, _own))
+        if self._ota is not None and not _own:
+            self._ota.published(n)  # an update's trial confirms with its first reading
         return n
 
     def poll(self):
@@ -101,6 +120,8 @@ class Device:
         drain the buffer, keep the session alive.  Never blocks longer than a
         connection attempt."""
         self.hw.feed()
+        if self._ota is not None:
+            self._ota.poll()  # an update's trial: confirmed, or out of time (connected or not)
         if self._inbox:
             self._handle_inbox()  # taken in before a reconnect for the rest
         if self._client is None and not self._connect_if_due():
@@ -235,6 +256,8 @@ class Device:
         d["bad_messages"] += wire.refused
         if self._diag_skipped:  # only once there is one (the document's size)
             d["diag_skipped"] = self._diag_skipped
+        if self.app_v is not None:
+            d["app_v"] = self.app_v
         return d
 
     def log(self, *args):
@@ -354,6 +377,8 @@ class Device:
                 c.subscribe(self._t_cmd, 1)
                 self.hw.feed()
                 c.subscribe(self._t_config, 1)
+                self.hw.feed()
+                c.subscribe(codec.topic(self._prefix, cfg.device_id, "down", "ota"), 1)
                 self.hw.feed()
             except NET_ERRORS:
                 _close(c)
@@ -521,6 +546,8 @@ class Device:
                     self._inbound().config(msg)
                 elif self.receipts is not None and topic == self.receipts.topic_b:
                     self.receipts.handle(msg)
+                elif topic.endswith(b"/ota"):  # down/ota: the only other topic subscribed
+                    self._ota_get().handle(msg)
             except MemoryError as e:
                 self._oom(e)
                 if topic == self._b_cmd:
@@ -536,6 +563,13 @@ class Device:
                 self.log("command lost: out of memory, no id found")
         except MemoryError as e:
             self.log("command lost: out of memory", repr(e))
+
+    def _ota_get(self):
+        if self._ota is None:
+            from .ota import Ota
+
+            self._ota = Ota(self)
+        return self._ota
 
     def _inbound(self):
         h = self._in
