@@ -215,8 +215,13 @@ def test_a_reconnect_mid_download_resumes_where_it_stopped(ota_board: Callable[.
     b = ota_board(wifi_timeout_ms=200)
     new = app_files("2", pad=8000)
     s = b.send("2", new)
-    s.pause_after = 8
-    wait_until(s._paused.is_set, 30, what="8 chunks")
+    # two chunks into the second file, so the pause is mid-file whatever size
+    # main.py (the example, stamped) has: 8 fixed chunks once ended exactly at
+    # main.py's end when the example grew
+    first = -(-len(new["main.py"]) // 512)  # the board asks for 512-byte chunks (ota.CHUNK)
+    assert len(new[list(new)[1]]) > 3 * 512
+    s.pause_after = first + 2
+    wait_until(s._paused.is_set, 30, what=f"{first + 2} chunks")
     before = [r for r in s.replies if r["st"] == "need"][-1]
     b.flash.path("_hw_wifi_down").write_text("")
     wait_console(b.board, "connection lost", what="the link drop", timeout=60)
