@@ -147,8 +147,8 @@ class DeadLetterSink(Protocol):
         """Store it durably (committed before returning)."""
 
 
-class ReturnPathHost(Protocol):
-    """What the return path needs from the running agent."""
+class StageHost(Protocol):
+    """What every stage that watches ingest needs from the running agent."""
 
     @property
     def settings(self) -> Settings: ...
@@ -156,15 +156,19 @@ class ReturnPathHost(Protocol):
     @property
     def metrics(self) -> Metrics: ...
 
+    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
+        """Call `observer` for every committed ingest message until the
+        returned function is called."""
+
+
+class ReturnPathHost(StageHost, Protocol):
+    """What the return path needs from the running agent."""
+
     @property
     def command_source(self) -> CommandSource | None: ...
 
     @property
     def dead_letters(self) -> DeadLetterSink: ...
-
-    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
-        """Call `observer` for every committed ingest message until the
-        returned function is called."""
 
     def observe_reload(self, observer: Callable[[Settings], None]) -> Callable[[], None]:
         """Call `observer` with the new settings after each reload (reload.py),
@@ -181,20 +185,9 @@ class ReturnPathHost(Protocol):
 OtaObserver = Callable[[str, bytes], None]
 
 
-class UpdateHost(Protocol):
-    """What the board updater (ota/) needs from the running agent."""
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def command_source(self) -> CommandSource | None: ...
-
-    def observe_ingest(self, observer: IngestObserver) -> Callable[[], None]:
-        """As ReturnPathHost's: a board's status turning ``online``."""
+class UpdateHost(StageHost, Protocol):
+    """What the board updater (ota/) needs from the running agent (its
+    `observe_ingest`: a board's status turning ``online``)."""
 
     def observe_ota(self, observer: OtaObserver) -> Callable[[], None]:
         """Call `observer` for every ``up/ota`` message ingest takes, until
