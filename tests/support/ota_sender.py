@@ -29,6 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from iggy_edge import mqtt_codec
+
 from .broker import Broker
 from .micropython import EXAMPLES_DIR, Board, Flash, mpy_cross
 
@@ -120,20 +122,16 @@ class _Mqtt:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._wlock = threading.Lock()
         self._pid = 0
-        cid = client_id.encode()
-        self.send(0x10, b"\x00\x04MQTT\x04\x02\x00\x3c" + len(cid).to_bytes(2, "big") + cid)
+        self._write(mqtt_codec.connect(client_id, keepalive=60))
         if self.packet()[0] != 0x20:
             raise AssertionError("ota sender: no CONNACK")
 
     def send(self, op: int, body: bytes) -> None:
-        n, length = len(body), b""
-        while True:
-            b, n = n & 0x7F, n >> 7
-            length += bytes([b | (0x80 if n else 0)])
-            if not n:
-                break
+        self._write(mqtt_codec.packet(op, body))
+
+    def _write(self, data: bytes) -> None:
         with self._wlock:
-            self.sock.sendall(bytes([op]) + length + body)
+            self.sock.sendall(data)
 
     def _read(self, n: int) -> bytes:
         out = b""
@@ -156,15 +154,11 @@ class _Mqtt:
         return op, self._read(size)
 
     def subscribe(self, *topics: str) -> None:
-        body = b"\x00\x01"
-        for t in topics:
-            body += len(t).to_bytes(2, "big") + t.encode() + b"\x01"
-        self.send(0x82, body)
+        self.send(0x82, b"\x00\x01" + b"".join(mqtt_codec.string(t) + b"\x01" for t in topics))
 
     def publish(self, topic: str, payload: bytes) -> None:
         self._pid = self._pid % 65535 + 1
-        t = topic.encode()
-        self.send(0x32, len(t).to_bytes(2, "big") + t + self._pid.to_bytes(2, "big") + payload)
+        self._write(mqtt_codec.publish(topic, payload, qos=1, mid=self._pid))
 
 
 class OtaSender:
