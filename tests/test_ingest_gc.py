@@ -1,5 +1,5 @@
 """Ingest spares the process most full collections of the cyclic garbage
-collector (ingest_acks.spare_full_collections, issue 22): a full collection
+collector (heap.spare_full_collections, issue 22): a full collection
 walks every object of the agent, and the groups in flight drive the young
 collections that lead to one."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from iggy_edge.heap import FULL_COLLECTION_AFTER, spare_full_collections
 from iggy_edge.ingest import Ingest
-from iggy_edge.ingest_acks import FULL_COLLECTION_AFTER, spare_full_collections
 from iggy_edge.metrics import Metrics
 from iggy_edge.routing import Router
 

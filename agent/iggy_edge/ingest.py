@@ -60,7 +60,7 @@ from . import gmqtt_hooks as hooks
 from . import heap
 from . import mqtt_codec as codec
 from .config import Settings
-from .ingest_acks import ACK_CMD, READ_PAUSE_BYTES, InFlight, spare_full_collections
+from .ingest_acks import ACK_CMD, READ_PAUSE_BYTES, InFlight
 from .logs import RateLimitedLog
 from .metrics import Metrics
 from .mqtt_session import SessionMemory
@@ -117,7 +117,7 @@ class Ingest:
         self._ended.set()
         hooks.check_gmqtt()  # at start-up: a changed gmqtt fails here, loudly
         heap.fix_mmap_threshold()  # large payloads give their memory back (heap.py)
-        spare_full_collections()  # ingest_acks.py: what the groups in flight cost the collector
+        heap.spare_full_collections()  # what the groups in flight cost the collector (heap.py)
 
     def use_router(self, router: Router) -> None:
         """Route from the next message on with `router` (a reload of the routes)."""
