@@ -15,7 +15,7 @@ over loopback.  Per run, one update of an app of `--kb` kB:
 The real board's figures (flash writes, sha256 on the ESP32, heap) are the
 device side's benches; this one says what the gateway and the broker add.
 
-    .venv/bin/python bench/ota_bench.py [--quick] [--kb 30] [--repeat 3]
+    .venv/bin/python bench/ota_bench.py [--quick] [--kb 30] [--repeat 3] [--nodelay | --packaged-conf]
 """
 
 from __future__ import annotations
@@ -42,9 +42,30 @@ from tests.support.ota_board import Script, ScriptedBoard
 BENCH = "ota"
 
 
-async def one(workdir: Path, kb: int, nodelay: bool) -> dict[str, float]:
+PACKAGED_CONF = Path(__file__).resolve().parents[1] / "packaging" / "mosquitto" / "iggy-edge.conf"
+
+
+def packaged_settings() -> str:
+    """The broker-wide lines of the packaged Mosquitto config (the .deb's
+    /etc/mosquitto/conf.d/iggy-edge.conf): everything before its listeners
+    (their ports, password files and ACLs are the gateway's, not a bench's)."""
+    out = []
+    for line in PACKAGED_CONF.read_text().splitlines():
+        word = line.split("#", 1)[0].split()
+        if not word:
+            continue
+        if word[0] in ("per_listener_settings", "listener"):
+            break
+        if word[0] != "autosave_interval":  # the bench's broker runs in memory
+            out.append(" ".join(word))
+    return "\n".join(out)
+
+
+async def one(workdir: Path, kb: int, nodelay: bool, packaged: bool = False) -> dict[str, float]:
     b = make_broker(workdir / "broker")
-    if nodelay:
+    if packaged:
+        b.extra_conf = packaged_settings()
+    elif nodelay:
         b.extra_conf = "set_tcp_nodelay true"
     b.start()
     try:
@@ -88,13 +109,18 @@ def main() -> None:
     ap.add_argument(
         "--nodelay", action="store_true", help="Mosquitto with set_tcp_nodelay true (its default is false)"
     )
+    ap.add_argument(
+        "--packaged-conf",
+        action="store_true",
+        help="Mosquitto with the broker-wide settings of packaging/mosquitto/iggy-edge.conf",
+    )
     args = ap.parse_args()
     kb, repeat = (8, 1) if args.quick else (args.kb, args.repeat)
     emit_machine(BENCH)
     runs = []
     for _ in range(repeat):
         with tempfile.TemporaryDirectory(prefix="ota-bench-") as d:
-            runs.append(asyncio.run(one(Path(d), kb, args.nodelay)))
+            runs.append(asyncio.run(one(Path(d), kb, args.nodelay, args.packaged_conf)))
         time.sleep(0.2)
     for key, unit in (("download_s", "s"), ("total_s", "s")):
         values = [r[key] for r in runs]
@@ -105,6 +131,7 @@ def main() -> None:
             unit,
             app_kb=kb,
             nodelay=args.nodelay,
+            packaged_conf=args.packaged_conf,
             **spread(values, 3),
         )
     emit(BENCH, "chunks", runs[0]["chunks"], "messages", app_kb=kb)
