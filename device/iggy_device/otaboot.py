@@ -17,11 +17,11 @@ import sys
 
 
 def run():
-    from . import otapick
+    from . import otapick, unload
 
     trial = otapick.pick()  # None: safe mode
     otapick = None
-    _forget("iggy_device.otapick")
+    unload("otapick")  # sys.modules and the package's attribute: both keep it alive
     if trial is None:
         return
     try:

@@ -16,11 +16,11 @@ def pick():
     raw = fsutil.read("ota.json")
     trial = raw is not None and b'"trial"' in raw
     if trial:
-        from . import otastate
+        from . import otastate, unload
 
         trial = otastate.count_boot()  # False: rolled back
         otastate = None
-        sys.modules.pop("iggy_device.otastate", None)
+        unload("otastate")
         raw = fsutil.read("ota.json")
     slot = "s/a"
     if raw:
