@@ -10,7 +10,13 @@ device ran with receipts on.
 Prints one JSON line per probe and a summary line:
   {"bench": "device_min_heap", "smallest_ok_k": N, "largest_failing_k": N-step, "sent": n, ...}
 
+``--layout ota``: the same app in the layout provisioning writes for
+over-the-air updates (agent/iggy_edge/provision/layout.py: /main.py the
+loader, the app in slot s/a/, ota.json), so the OTA figures of
+bench/ota_device_bench.py compare with a figure of this same tool.
+
 Run: .venv/bin/python bench/device_min_heap.py [--cycles 300] [--lo 32] [--hi 160] [--step 4] [--source]
+     [--layout plain|ota]
 On the 32-bit float32 build (4-byte words, as an ESP32): the same with
 .venv32/bin/python (made by .ci/setup when ../shared/tools/micropython-i386-float32
 exists; its bin/micropython is that build).  ``word_bytes`` says which ran.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +36,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from iggy_edge.provision import layout as provision_layout  # noqa: E402
 
 from tests.support.broker import Broker  # noqa: E402
 from tests.support.micropython import Board, Flash, ReceiptResponder, require_micropython  # noqa: E402
@@ -44,7 +53,25 @@ def word_bytes() -> int:
     return 4 if int(r.stdout) < 2**32 else 8
 
 
-def runs(tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False) -> dict[str, Any]:
+def slot_layout(flash: Flash) -> None:
+    """Move the installed app into the OTA layout as `device provision` writes
+    it: the loader at /main.py, the app's files in slot s/a/, ota.json with
+    the app's default version."""
+    slot = flash.root / provision_layout.SLOT
+    slot.mkdir(parents=True)
+    files = []
+    for f in sorted(flash.root.iterdir()):
+        if f.is_file() and f.suffix in (".py", ".mpy"):
+            files.append((f.name, f.read_bytes()))
+            f.rename(slot / f.name)
+    (flash.root / "main.py").write_text(provision_layout.LOADER)
+    version = provision_layout.default_version("env_sensor", files)
+    (flash.root / provision_layout.STATE_FILE).write_bytes(provision_layout.ota_state(version))
+
+
+def runs(
+    tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False, layout: str = "plain"
+) -> dict[str, Any]:
     dev = f"minheap-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     flash.install_example(
@@ -53,6 +80,8 @@ def runs(tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False) -
     flash.install_library(mpy=not source)
     if not source:
         flash.compile_app()
+    if layout == "ota":
+        slot_layout(flash)
     board = Board(flash, heapsize=f"{heap_k}k").start()
     rc = board.wait(180)
     console = board.console()
@@ -76,6 +105,12 @@ def main() -> None:
     ap.add_argument("--hi", type=int, default=160)
     ap.add_argument("--step", type=int, default=4)
     ap.add_argument("--source", action="store_true", help="the library as .py (compiled on the board)")
+    ap.add_argument(
+        "--layout",
+        choices=("plain", "ota"),
+        default="plain",
+        help="ota: the loader and the app in slot s/a/, as provisioning writes it for updates",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="iggy-min-heap-") as t:
         tmp = Path(t)
@@ -83,7 +118,7 @@ def main() -> None:
         responder = ReceiptResponder(broker)
         try:
             lo, hi = args.lo, args.hi  # invariant: lo fails (assumed), hi runs (checked)
-            best = runs(tmp, broker.port, hi, args.cycles, args.source)
+            best = runs(tmp, broker.port, hi, args.cycles, args.source, args.layout)
             print(json.dumps({"bench": "device_min_heap_probe", **best}), flush=True)
             if not best["ok"]:
                 raise SystemExit(f"env_sensor does not run even in {hi}k: {best}")
@@ -91,7 +126,7 @@ def main() -> None:
                 mid = (lo + hi) // 2 // args.step * args.step
                 if mid <= lo:
                     mid = lo + args.step
-                probe = runs(tmp, broker.port, mid, args.cycles, args.source)
+                probe = runs(tmp, broker.port, mid, args.cycles, args.source, args.layout)
                 print(json.dumps({"bench": "device_min_heap_probe", **probe}), flush=True)
                 if probe["ok"]:
                     hi, best = mid, probe
@@ -103,6 +138,7 @@ def main() -> None:
                         "bench": "device_min_heap",
                         "example": "env_sensor",
                         "library": "source" if args.source else "mpy",
+                        "layout": args.layout,
                         "cycles": args.cycles,
                         "smallest_ok_k": hi,
                         "largest_failing_k": lo,
@@ -111,6 +147,7 @@ def main() -> None:
                         "receipts_seen": best.get("receipts", 0),
                         "receipts_answered": responder.receipts,
                         "word_bytes": word_bytes(),
+                        "load": [round(x, 2) for x in os.getloadavg()],
                     }
                 )
             )
