@@ -146,6 +146,30 @@ async def test_the_first_connect_waits_the_start_jitter_once(
 
 
 @pytest.mark.unit
+async def test_callers_waiting_on_a_failing_connect_share_its_failure(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uplink and the return path share one connection: while the
+    cluster turns logins away (a transient answer the SDK replays until our
+    timeout), the second caller must not start a login of its own the
+    moment the first gives up; both back off from the one failure."""
+
+    async def busy(self: _FakeClient) -> None:
+        self._note("connect")
+        await asyncio.sleep(0.05)
+        raise RuntimeError("Transiently not accepted")
+
+    monkeypatch.setattr(_FakeClient, "connect", busy)
+    conn = Connection(_settings(tmp_path, token="t").iggy, "gateway")
+    results = await asyncio.gather(conn.client(), conn.client(), return_exceptions=True)
+    assert all(isinstance(r, UplinkUnavailable) for r in results), results
+    assert len(fake.configs) == 1, "one login attempt for both callers"
+    with pytest.raises(UplinkUnavailable):
+        await conn.client()  # a caller after the failure (its backoff spent) tries again
+    assert len(fake.configs) == 2
+
+
+@pytest.mark.unit
 async def test_the_first_lane_uses_the_uplink_connection_and_idle_lanes_close(
     fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

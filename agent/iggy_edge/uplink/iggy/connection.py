@@ -64,6 +64,13 @@ What a connection costs the server (issue 23, docs/scaling.md)
     * ``start_jitter`` (the agent's shared connection only): the first
       connect waits a random 0..start_jitter seconds, so a fleet starting
       together spreads its logins.
+    * One attempt: callers that were waiting for the lock while a connect
+      failed get that failure, and each backs off (forward, return poll)
+      instead of starting a login of its own the moment the first gave up.
+      A busy cluster answers a login "transient"; the SDK replays it every
+      50 ms on the same connection (core/sdk tcp_client.rs) until our
+      `connect_timeout_s`, so every extra attempt is some 20 logins a second
+      more for the metadata primary (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -144,6 +151,8 @@ class Connection:
         self._start_jitter = start_jitter  # spent by the first connect (module docstring)
         self.connects = 0  # clients built (each a login), for the fleet bench
         self._holders = 1  # users that will each close() it (`share`)
+        self._attempts = 0  # connect attempts ended (`client`)
+        self._failed: UplinkError | None = None  # how the last one ended, if it failed
 
     def share(self) -> Connection:
         """This connection, for one more user: `close` logs out only when
@@ -185,34 +194,52 @@ class Connection:
     async def client(self) -> IggyClient:
         if self._client is not None:
             return self._client
+        attempt = self._attempts
         async with self._lock:
             if self._client is not None:
                 return self._client
-            if self._start_jitter > 0:
-                jitter, self._start_jitter = random.uniform(0, self._start_jitter), 0.0  # noqa: S311
-                log.info("iggy %s: first connect in %.1fs (start_jitter_s)", self.role, jitter)
-                await asyncio.sleep(jitter)
-            problems: list[str] = []
-            first_error: UplinkError | None = None
-            n = len(self._nodes)
-            for i in range(n):
-                index = (self._next + i) % n
-                address = self._nodes[index]
-                try:
-                    client = await self._connect(address)
-                except UplinkRejected:
-                    raise  # bad settings: no other node will take them either
-                except UplinkUnavailable as e:
-                    problems.append(str(e))
-                    first_error = first_error or e
-                    continue
-                self._next = index
-                self._client = client
-                self.node = address
-                return client
-            if n == 1 and first_error is not None:
-                raise first_error
-            raise UplinkUnavailable(f"iggy {self.role}: no node answered: " + "; ".join(problems))
+            if self._attempts != attempt and self._failed is not None:
+                # A connect ran while this caller waited for the lock and
+                # failed: share its outcome (module docstring, "One attempt").
+                raise self._failed
+            try:
+                client = await self._dial()
+            except UplinkError as e:
+                self._failed = e
+                raise
+            else:
+                self._failed = None
+            finally:
+                self._attempts += 1
+            return client
+
+    async def _dial(self) -> IggyClient:
+        """Connect to the first node that takes us (the jitter first)."""
+        if self._start_jitter > 0:
+            jitter, self._start_jitter = random.uniform(0, self._start_jitter), 0.0  # noqa: S311
+            log.info("iggy %s: first connect in %.1fs (start_jitter_s)", self.role, jitter)
+            await asyncio.sleep(jitter)
+        problems: list[str] = []
+        first_error: UplinkError | None = None
+        n = len(self._nodes)
+        for i in range(n):
+            index = (self._next + i) % n
+            address = self._nodes[index]
+            try:
+                client = await self._connect(address)
+            except UplinkRejected:
+                raise  # bad settings: no other node will take them either
+            except UplinkUnavailable as e:
+                problems.append(str(e))
+                first_error = first_error or e
+                continue
+            self._next = index
+            self._client = client
+            self.node = address
+            return client
+        if n == 1 and first_error is not None:
+            raise first_error
+        raise UplinkUnavailable(f"iggy {self.role}: no node answered: " + "; ".join(problems))
 
     async def _connect(self, address: str) -> IggyClient:
         s = self.settings
