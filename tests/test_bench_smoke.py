@@ -23,14 +23,17 @@ def test_bench_quick_prints_json_figures(name: str) -> None:
     if name in ("ingest", "memory", "flood", "broker_crash", "ota") and mosquitto_binary() is None:
         pytest.fail("mosquitto is not installed: run .ci/setup")
     extra = ["--no-iggy"] if name == "drain" else []
-    out = subprocess.run(
+    run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}_bench.py"), "--quick", *extra],
-        check=True,
+        check=False,
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
-    ).stdout
+    )
+    # the bench's own stderr says why it failed; CalledProcessError would hide it
+    assert run.returncode == 0, f"{name}_bench.py --quick exited {run.returncode}:\n{run.stderr[-4000:]}"
+    out = run.stdout
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert lines, "no output"
     assert all(line["bench"] == name and "figure" in line and "value" in line for line in lines)
