@@ -20,6 +20,7 @@ from typer.testing import CliRunner, Result
 from tests.support.broker import Broker
 from tests.support.ota_agent import ota_settings, rows, running, wait_state
 from tests.support.ota_board import Script, ScriptedBoard
+from tests.support.wait import async_wait_until
 
 ROOT = source_root()
 runner = CliRunner()
@@ -111,7 +112,13 @@ async def test_one_update_at_a_time_per_board_and_cancel(tmp_path: Path, broker:
             cancel = await _cli("device", "update", "cancel", "-d", "dev-1", "-c", str(cfg))
             assert cancel.exit_code == 0, cancel.output
             await wait_state(settings, "dev-1", "cancelled")
-            assert board.received[-1] == {"t": "x", "id": rows(settings)["dev-1"]["id"]}
+            # the abort is published before the state is saved, and reaches
+            # the board through the broker after it: wait for it, then check
+            # that nothing (no probe retry) followed it
+            abort = {"t": "x", "id": rows(settings)["dev-1"]["id"]}
+            await async_wait_until(lambda: abort in board.received, 10, what="the abort on the board")
+            await asyncio.sleep(0.5)
+            assert board.received[-1] == abort
         finally:
             await board.stop()
 

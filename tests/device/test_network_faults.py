@@ -8,6 +8,7 @@ commands queued for a sleeping board than its inbox holds."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,11 @@ def test_a_silent_broker_is_detected_from_the_missing_pingresp(
         board = Board(flash).start()
         try:
             wait_console(board, "[iggy] connected to")
+            # the board sends its one buffered record at connect and waits
+            # for its PUBACK: freezing before that PUBACK passes the proxy
+            # detects the silence on that wait, not from the PINGRESP
+            log.wait_for(lambda m: len(m.messages()) >= 1, 10, "the buffered record on the broker")
+            time.sleep(1.0)  # its PUBACK through the proxy; the PINGREQ is due 2 s after it
             proxy.freeze()
             # bound: keepalive/2 (2 s) + the step timeout (1 s) + one poll
             wait_console(board, "no PINGRESP within 1000 ms", timeout=10)

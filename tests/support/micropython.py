@@ -339,11 +339,17 @@ def board_config(host: str, port: int, device_id: str, **extra: Any) -> dict[str
 def wait_console(board: Board, text: str, count: int = 1, what: str = "", timeout: float = 20) -> None:
     """Until the board's console shows `text` `count` times (an event the
     firmware prints), instead of sleeping through its boot."""
-    wait_until(
-        lambda: board.console().count(text) >= count,
-        timeout,
-        what=what or f"{text!r} x{count} on the console",
-    )
+    try:
+        wait_until(
+            lambda: board.console().count(text) >= count,
+            timeout,
+            what=what or f"{text!r} x{count} on the console",
+        )
+    except AssertionError as err:
+        # the console says what the board did instead: a flaky wait is
+        # diagnosed from one CI log, not from reruns
+        tail = "\n".join(board.console().splitlines()[-25:])
+        raise AssertionError(f"{err}\n--- the board's console, last 25 lines ---\n{tail}") from None
 
 
 class ReceiptResponder:
