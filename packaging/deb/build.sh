@@ -62,8 +62,15 @@ wheels="$root/opt/iggy-edge/wheels"
 mkdir -p "$wheels"
 
 echo "build.sh: iggy-edge $version for $arch (Python $pythons)"
-# The agent itself: a pure-Python wheel.
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$work/self" "$repo"
+# The agent itself: a pure-Python wheel, built from a copy of what it is made
+# of.  setuptools builds in the source tree (build/, agent/*.egg-info): from
+# the checkout itself, a stale build/lib (a module since deleted) would land
+# in the wheel, and two builds at once (the test suite's workers, a developer
+# beside CI) delete each other's build/ mid-copy.
+mkdir -p "$work/src"
+cp "$repo/pyproject.toml" "$repo/README.md" "$work/src/"
+tar -C "$repo" --exclude=__pycache__ --exclude='*.egg-info' -cf - agent | tar -C "$work/src" -xf -
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$work/self" "$work/src"
 self_wheel=$(ls "$work"/self/iggy_edge-*.whl)
 cp "$self_wheel" "$wheels/"
 
