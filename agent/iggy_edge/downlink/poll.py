@@ -226,9 +226,9 @@ class ReturnPoll:
 
     async def _round(self) -> int:
         """Poll the partitions due; the number of messages consumed."""
-        waiting = await self._inbox.waiting()
-        self._metrics.inbox_records.set(waiting)
-        room = self._dl.max_inbox - waiting
+        # Exact only when the room could hold this round back: an idle round is the poll alone.
+        dl = self._dl
+        room = dl.max_inbox - await self._inbox.waiting_at_most(dl.max_inbox - dl.poll_batch)
         total = 0
         empty: list[Partition] = []
         for part in self.partitions:
