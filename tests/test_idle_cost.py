@@ -16,10 +16,12 @@ from iggy_edge.downlink.commands import make_command
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.poll import ReturnPoll
 from iggy_edge.forward import Forwarder
+from iggy_edge.inbox_admin import read_offsets
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
 from iggy_edge.uplink.memory import MemoryIggy
+from iggy_edge.uplink.protocol import UplinkRejected
 
 from tests.support.broker import Broker
 from tests.support.downlink import downlink_settings
@@ -139,3 +141,58 @@ async def test_with_the_inbox_bound_a_full_inbox_still_pauses_and_resumes(
         async with device(broker) as dev:
             await async_wait_until(lambda: len(dev.ids()) == 13, timeout=20, what="all 13 delivered")
             assert dev.ids() == [c.id for c in cmds]
+
+
+@pytest.mark.unit
+async def test_a_failing_offset_mirror_backs_off_instead_of_retrying_every_round(tmp_path: Path) -> None:
+    """The fast cadence after a command runs 20 rounds per interval; a mirror
+    the server refuses is tried again after a backoff, not every round, and
+    goes through once the server takes it."""
+    settings = parse_config(
+        {
+            "gateway_id": "gw-idle",
+            "state_dir": str(tmp_path),
+            "iggy": {"kind": "memory"},
+            "downlink": {"poll_interval_s": 0.5},
+        },
+        env={},
+    )
+    metrics = Metrics()
+    box = await Outbox.open(settings.buffer_path, settings.buffer, "gw-idle", metrics)
+    box.start()
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    iggy = MemoryIggy()
+    provision(iggy, settings)
+    source = iggy.command_source()
+    polls = _counted(source, "poll")
+    tries: list[float] = []
+    real_mirror = source.mirror_offset
+    refuse = True
+
+    async def mirror(stream: str, topic: str, partition_id: int, offset: int) -> None:
+        tries.append(time.monotonic())
+        if refuse:
+            raise UplinkRejected("rejecting client request on non-primary partition replica")
+        await real_mirror(stream, topic, partition_id, offset)
+
+    source.mirror_offset = mirror  # type: ignore[method-assign]
+    poll = ReturnPoll(settings, source, inbox, box, metrics)
+    task = asyncio.create_task(poll.run())
+    try:
+        await async_wait_until(lambda: polls, what="the first poll")
+        send(iggy, settings, make_command("dev-1", "go", {}))
+        await async_wait_until(lambda: tries, what="the first mirror")
+        polled = len(polls)
+        await asyncio.sleep(1.2)  # in the fast cadence: a round every 25 ms
+        assert len(polls) - polled >= 20
+        assert len(tries) <= 6, f"{len(tries)} tries of a refused mirror in 1.2 s"
+        refuse = False
+        await async_wait_until(
+            lambda: [o[4] for o in read_offsets(settings.buffer_path)] == [0], timeout=10, what="mirrored"
+        )
+        assert metrics.value("iggy_edge_downlink_errors_total", kind="mirror") == len(tries) - 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await inbox.close()
+        await box.close()
