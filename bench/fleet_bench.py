@@ -440,16 +440,18 @@ def run_fleet(
         # -- commands at rest --
         if args.commands:
             chosen = random.Random(7).sample(gateway_ids(n), min(args.commands, n))
-            sent = asyncio.run(publish_commands(admin, chosen, args.command_every))
+            sent, took = asyncio.run(publish_commands(admin, chosen, args.command_every))
             time.sleep(args.command_wait)
             stored: dict[str, list[float]] = {}
             for ans in workers.ask("stored", "stored"):
                 stored.update(ans["stored"])
             lat = []
+            after_answer = []  # from the publish's answer on: the gateway's part
             for gw, at in sent.items():
                 later = [t for t in stored.get(gw, []) if t >= at]
                 if later:
                     lat.append((min(later) - at) * 1000)
+                    after_answer.append((min(later) - at) * 1000 - took[gw])
             emit(
                 BENCH,
                 "command_latency_at_rest_p50",
@@ -460,6 +462,11 @@ def run_fleet(
                 published=len(sent),
                 arrived=len(lat),
                 every_s=args.command_every,
+                # the cloud side's publish alone (start to the cluster's answer): part of the latency
+                publish_ms_p50=round(pct(list(took.values()), 0.5), 1),
+                publish_ms_p99=round(pct(list(took.values()), 0.99), 1),
+                after_answer_ms_p50=round(pct(after_answer, 0.5), 1),
+                after_answer_ms_p99=round(pct(after_answer, 0.99), 1),
             )
             emit(
                 BENCH,
@@ -483,22 +490,27 @@ def run_fleet(
         workers.stop()
 
 
-async def publish_commands(admin: IggySettings, gateways: list[str], every: float) -> dict[str, float]:
+async def publish_commands(
+    admin: IggySettings, gateways: list[str], every: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """One command to each gateway, `every` seconds apart; {gateway: sent at}
     for those the cluster took (a cluster that does not answer is counted,
-    not fatal: the figures say how many arrived)."""
+    not fatal: the figures say how many arrived), and how long each of those
+    publishes took (ms)."""
     sink = IggyCommandSink(admin)
     sent: dict[str, float] = {}
+    took: dict[str, float] = {}
     try:
         for gw in gateways:
             at = time.time()
             with contextlib.suppress(UplinkError):
                 await publish_command(sink, gw)
                 sent[gw] = at
+                took[gw] = (time.time() - at) * 1000
             await asyncio.sleep(every)
     finally:
         await sink.close()
-    return sent
+    return sent, took
 
 
 def main() -> None:

@@ -15,7 +15,18 @@ import pytest
 from tests.support.broker import mosquitto_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ["ingest", "drain", "memory", "disk", "dead_letter", "flood", "broker_crash", "fleet", "ota"]
+BENCHES = [
+    "ingest",
+    "drain",
+    "memory",
+    "disk",
+    "dead_letter",
+    "flood",
+    "broker_crash",
+    "fleet",
+    "ota",
+    "idle",
+]
 
 
 @pytest.mark.parametrize("name", BENCHES)

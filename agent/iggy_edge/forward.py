@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 # Payload bytes read ahead of the confirmations, in batches (batch_bytes).
 IN_FLIGHT_BATCHES_BYTES: Final = 4
+# Seconds an idle forwarder waits for a commit before it reads the outbox
+# anyway (`_wait_for_more`).
+IDLE_RECHECK_S: Final = 30.0
 
 
 @dataclass(eq=False)
@@ -208,9 +211,18 @@ class Forwarder:
                 lane.wake.set()
 
     async def _wait_for_more(self, run: _Run) -> None:
-        """Until a commit adds records, a stop or a failure (0.5 s at most)."""
+        """Until a commit adds records, a stop or a failure.  Every commit
+        that adds records sets the outbox's event (`Outbox.wait_for_more`),
+        and nothing else adds any while the agent runs (the CLI's replay
+        needs the file to itself), so the wait is on that event alone; the
+        re-read after `IDLE_RECHECK_S` is a safety net, not a cadence.  (It
+        was 0.5 s: an idle gateway read its outbox twice a second for
+        nothing, bench/idle_bench.py, and hid a lost wake-up: a failure
+        during the empty read before this wait had set `changed` already.)"""
         run.changed.clear()
-        more = asyncio.ensure_future(self._outbox.wait_for_more(0.5))
+        if run.closing:  # closed while the read ran: its set() is the one just cleared
+            return
+        more = asyncio.ensure_future(self._outbox.wait_for_more(IDLE_RECHECK_S))
         changed = asyncio.ensure_future(run.changed.wait())
         try:
             await asyncio.wait((more, changed), return_when=asyncio.FIRST_COMPLETED)

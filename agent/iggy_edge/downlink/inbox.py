@@ -123,6 +123,7 @@ class Inbox:
         self._db = db
         self._conn = db.conn
         self._settings = settings
+        self._waiting_bound: int | None = None  # `waiting_at_most`
 
     @classmethod
     async def open(cls, path: Path, settings: Settings) -> Inbox:
@@ -230,6 +231,8 @@ class Inbox:
                 " DO UPDATE SET last_offset = excluded.last_offset, updated_at = excluded.updated_at",
                 (stream, topic, partition_id, last_offset, now),
             )
+        if self._waiting_bound is not None:
+            self._waiting_bound += new - expired
         return StoredBatch(new, expired, duplicates, replaced)
 
     async def _insert_command(
@@ -288,7 +291,15 @@ class Inbox:
     async def waiting(self) -> int:
         """Commands received and not yet delivered (bounded by max_inbox)."""
         rows = await self._fetchall("SELECT count(*) FROM downlink_commands WHERE state = ?", (RECEIVED,))
-        return int(rows[0][0])
+        self._waiting_bound = int(rows[0][0])
+        return self._waiting_bound
+
+    async def waiting_at_most(self, exact_from: int) -> int:
+        """`waiting()`, or while below `exact_from` a bound of it, with no query: only
+        `store_polled` adds waiting commands (delivery and expiry take them away) and raises the bound."""
+        if self._waiting_bound is None or self._waiting_bound >= exact_from:
+            return await self.waiting()
+        return self._waiting_bound
 
     async def due_commands(self, limit: int) -> list[PendingCommand]:
         rows = await self._fetchall(

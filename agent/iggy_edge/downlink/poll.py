@@ -9,9 +9,9 @@
   offset is committed, or refused with a reason (a dead letter).  After an
   upgrade, what is pending in the two-topic scheme is read first (legacy.py).
 * Each poll's messages and the new offset are committed in one transaction
-  (inbox.py); only then is the offset mirrored to the server (bounded by
-  `mirror_timeout_s`, best effort, retried next round: SQLite, not the
-  server, says where to resume).
+  (inbox.py); only then is the offset mirrored to the server (mirror.py:
+  bounded by `mirror_timeout_s`, best effort, retried after a backoff:
+  SQLite, not the server, says where to resume).
 * Every payload goes through `read_command` / `read_config` (commands.py,
   the trust boundary, never raising): an invalid one is dead-lettered
   (reason ``invalid_command``) and its offset consumed like any other, so
@@ -51,7 +51,6 @@ from ..logs import RateLimitedLog
 from ..metrics import Metrics
 from ..probe import backoff_wait
 from ..stages import DeadLetterSink
-from ..timeouts import wait_for
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
     INVALID_COMMAND,
@@ -69,6 +68,7 @@ from .commands import (
 )
 from .inbox import Inbox, RowRefused, StoredBatch
 from .legacy import DRAINED_NOTE, Partition, find_legacy
+from .mirror import OffsetMirror
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ReturnPoll:
         self.legacy: list[Partition] = []  # the old topics' partitions still to read out (legacy.py)
         self._stored: dict[tuple[str, str, int], tuple[int, int | None]] = {}
         self._last: dict[Partition, int] = {}
-        self._mirrored: dict[Partition, int | None] = {}
+        self._mirror = OffsetMirror(source, inbox, metrics, self._limited)
         self._last_message = -float("inf")  # monotonic: when a round last got a message
         self._round_started = 0.0
 
@@ -130,7 +130,7 @@ class ReturnPoll:
     def _track(self, part: Partition) -> None:
         last, mirrored = self._stored.get((part.stream, part.topic, part.partition_id), (-1, None))
         self._last[part] = last
-        self._mirrored[part] = mirrored
+        self._mirror.mirrored[part] = mirrored
 
     async def run(self) -> None:
         self._stored = await self._inbox.offsets()
@@ -169,7 +169,7 @@ class ReturnPoll:
                     log.info("return poll: the probe reaches Iggy again; polling now")
                 continue
             failures = 0
-            await self._mirror_all()
+            await self._mirror.mirror(self._last, self._dl.mirror_timeout_s)
             if not got:
                 await asyncio.sleep(max(0.0, self._round_started + self._pause() - time.monotonic()))
 
@@ -226,9 +226,9 @@ class ReturnPoll:
 
     async def _round(self) -> int:
         """Poll the partitions due; the number of messages consumed."""
-        waiting = await self._inbox.waiting()
-        self._metrics.inbox_records.set(waiting)
-        room = self._dl.max_inbox - waiting
+        # Exact only when the room could hold this round back: an idle round is the poll alone.
+        dl = self._dl
+        room = dl.max_inbox - await self._inbox.waiting_at_most(dl.max_inbox - dl.poll_batch)
         total = 0
         empty: list[Partition] = []
         for part in self.partitions:
@@ -425,26 +425,3 @@ class ReturnPoll:
             reason=reason,
             detail=detail,
         )
-
-    async def _mirror_all(self) -> None:
-        """Mirror every offset the server does not have yet (bounded, best effort)."""
-        for part, last in self._last.items():
-            if last < 0 or self._mirrored.get(part) == last:
-                continue
-            try:
-                await wait_for(
-                    self._source.mirror_offset(part.stream, part.topic, part.partition_id, last),
-                    self._dl.mirror_timeout_s,
-                )
-            except (UplinkError, TimeoutError) as e:
-                self._metrics.downlink_errors.labels("mirror").inc()
-                self._limited.warning(
-                    "mirror",
-                    "return poll: mirroring offset %d of %s failed (%s); retried later",
-                    last,
-                    part.source(last),
-                    e,
-                )
-                return
-            self._mirrored[part] = last
-            await self._inbox.set_mirrored(part.stream, part.topic, part.partition_id, last)
