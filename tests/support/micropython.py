@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from iggy_edge.provision.layout import module_name
 
 from .broker import Broker
