@@ -119,6 +119,17 @@ def slot_layout(flash: Flash, example: str = "env_sensor") -> None:
     (flash.root / provision_layout.STATE_FILE).write_bytes(provision_layout.ota_state(version))
 
 
+def install_provisioned(flash: Flash, config: dict[str, Any]) -> None:
+    """env_sensor as `device provision --mpy` writes it for updates (library
+    and bme280 as .mpy, main.py source, ``slot_layout``), with ``config``:
+    what bench/ota_device_bench.py and bench/device_min_heap.py --layout ota
+    measure."""
+    flash.install_example("env_sensor", **config)
+    flash.install_library(mpy=True)
+    flash.compile_app()
+    slot_layout(flash)
+
+
 def manifest(uid: str, version: str, files: dict[str, bytes], mpy: int | None = None) -> dict[str, Any]:
     entries = [[p, len(d), hashlib.sha256(d).hexdigest()] for p, d in files.items()]
     total = sum(len(d) for d in files.values())
