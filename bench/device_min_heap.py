@@ -37,10 +37,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from iggy_edge.provision import layout as provision_layout  # noqa: E402
-
 from tests.support.broker import Broker  # noqa: E402
 from tests.support.micropython import Board, Flash, ReceiptResponder, require_micropython  # noqa: E402
+from tests.support.ota_sender import slot_layout  # noqa: E402
 
 
 def word_bytes() -> int:
@@ -51,22 +50,6 @@ def word_bytes() -> int:
         check=True,
     )
     return 4 if int(r.stdout) < 2**32 else 8
-
-
-def slot_layout(flash: Flash) -> None:
-    """Move the installed app into the OTA layout as `device provision` writes
-    it: the loader at /main.py, the app's files in slot s/a/, ota.json with
-    the app's default version."""
-    slot = flash.root / provision_layout.SLOT
-    slot.mkdir(parents=True)
-    files = []
-    for f in sorted(flash.root.iterdir()):
-        if f.is_file() and f.suffix in (".py", ".mpy"):
-            files.append((f.name, f.read_bytes()))
-            f.rename(slot / f.name)
-    (flash.root / "main.py").write_text(provision_layout.LOADER)
-    version = provision_layout.default_version("env_sensor", files)
-    (flash.root / provision_layout.STATE_FILE).write_bytes(provision_layout.ota_state(version))
 
 
 def runs(

@@ -53,7 +53,7 @@ from tests.support.micropython import (  # noqa: E402
     mpy_cross,
     require_micropython,
 )
-from tests.support.ota_sender import OtaSender, Supervisor, app_files, install_ota_board  # noqa: E402
+from tests.support.ota_sender import OtaSender, Supervisor, app_files, install_provisioned  # noqa: E402
 
 CHUNK = 1024  # the gateway's chunk; the board asks for at most its own ("n" in need)
 _CODE_HEAP = """
@@ -145,7 +145,7 @@ def update_once(
     dev = f"otabench-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     cfg = board_config(broker.host, broker.port, dev, period_ms=100, receipts=receipts, wdt_ms=0)
-    install_ota_board(flash, "1", cfg)
+    install_provisioned(flash, cfg)
     files = app_files("2", pad=max(0, kb * 1024 - sum(len(d) for d in app_files("2").values())))
     board: Board
     if strace and shutil.which("strace"):
@@ -195,7 +195,7 @@ def layout_runs(tmp: Path, broker: Broker, heap_k: int, cycles: int) -> dict[str
     dev = f"otalayout-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     cfg = {"device_id": dev, "broker": broker.host, "port": broker.port, "period_ms": 0, "cycles": cycles}
-    install_ota_board(flash, "1", {**cfg, "wdt_ms": 0})
+    install_provisioned(flash, {**cfg, "wdt_ms": 0})
     board = Board(flash, heapsize=f"{heap_k}k").start()
     rc = board.wait(180)
     console = board.console()

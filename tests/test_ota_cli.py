@@ -50,6 +50,13 @@ def test_an_example_builds_to_bytecode_with_main_py_as_source() -> None:
     assert art.mpy == dict(art.files)["bme280.mpy"][1]
     lib = build(ROOT, example="env_sensor", with_library=True)
     assert "lib/iggy_device/node.mpy" in [p for p, _ in lib.files]
+    # the module's name is the source name in the bytecode, not this host's path
+    # (layout.module_name: one qstr less per module on the board)
+    node = dict(lib.files)["lib/iggy_device/node.mpy"]
+    assert b"iggy_device.node" in node
+    assert str(ROOT).encode() not in node
+    assert b"node.py" not in node
+    assert str(ROOT).encode() not in dict(art.files)["bme280.mpy"]
     assert lib.id != art.id
     assert build(ROOT, example="env_sensor").id == art.id  # the same files: the same artifact
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from iggy_edge.provision.board import MKDIRS, remove_old_snippet
-from iggy_edge.provision.layout import LOADER, has_loader
+from iggy_edge.provision.layout import LOADER, has_loader, module_name
 from iggy_edge.provision.plan import build_plan
 from iggy_edge.provision.sources import source_root
 from iggy_edge.provision.staging import device_config, stage
@@ -86,3 +86,25 @@ def test_reprovisioning_clears_what_updates_left_and_the_old_flat_app(tmp_path: 
     assert r.returncode == 0, r.stdout + r.stderr
     left = sorted(str(p.relative_to(flash.root)) for p in flash.root.rglob("*") if p.is_file())
     assert left == ["_snippet.py", "config.json", "data/seq"]
+
+
+def test_the_module_name_of_a_board_path_is_what_it_imports_as() -> None:
+    assert module_name("lib/iggy_device/ota.py") == "iggy_device.ota"
+    assert module_name("lib/iggy_device/__init__.mpy") == "iggy_device"
+    assert module_name("lib/umqtt/simple.py") == "umqtt.simple"
+    assert module_name("s/a/bme280.py") == "bme280"
+    assert module_name("s/b/lib/iggy_device/node.py") == "iggy_device.node"
+    assert module_name("bme280.py") == "bme280"
+
+
+def test_bytecode_names_its_module_not_the_hosts_source_path(tmp_path: Path) -> None:
+    """mpy-cross -s: the board interns a module's name anyway, a host path
+    would be one more qstr per module (device/README.md, memory)."""
+    template = json.loads((REPO / "firmware_examples/env_sensor/config.json").read_text())
+    cfg = device_config(template, "env-7", "lab", "10.0.0.2", 1883)
+    files = stage(REPO, "env_sensor", tmp_path / "staging", cfg, {}, mpy=True)
+    ring = files["lib/iggy_device/ring.mpy"].read_bytes()
+    assert b"iggy_device.ring" in ring
+    assert str(REPO).encode() not in ring
+    assert b"bme280" in files["s/a/bme280.mpy"].read_bytes()
+    assert str(REPO).encode() not in files["s/a/bme280.mpy"].read_bytes()

@@ -7,9 +7,10 @@
 # (parsing those and the acks: commands.py, loaded with the first of them)
 # Pure: json only, runs under CPython and MicroPython.
 import json
+from micropython import const
 
-_SEP = (",", ":")
-_BAD_CHANNEL = " /+#"
+_SEP = const((",", ":"))
+_BAD_CHANNEL = const(" /+#")
 
 
 def check_channel(channel):

@@ -10,6 +10,7 @@
 #   device -> gateway  {prefix}/{device}/up/ack       {"id", "status", "result" | "error"}
 # Pure: json + fsutil, runs under CPython and MicroPython.
 import json
+from micropython import const
 
 from . import fsutil
 
@@ -18,9 +19,9 @@ ACK_ERROR = "error"
 ACK_UNKNOWN = "unknown_command"
 ACK_EXPIRED = "expired"
 
-_SEP = (",", ":")
-_MAX_ACK = 240  # bytes of stored ack; a longer result is kept as status only
-_TOO_LONG = "(result too long to keep)"
+_SEP = const((",", ":"))
+_MAX_ACK = const(240)  # bytes of stored ack; a longer result is kept as status only
+_TOO_LONG = const("(result too long to keep)")
 
 
 class CommandError(ValueError):

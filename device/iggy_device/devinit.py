@@ -3,13 +3,14 @@
 # garbage after boot, as configcheck's and datadir's are).
 import json
 import time
+from micropython import const
 
 from . import codec, fsutil, unload, wire
 from .backoff import Backoff
 from .ring import Ring
 from .seq import Sequence
 
-_RTC_MAGIC = "ie1"
+_RTC_MAGIC = const("ie1")
 
 
 def init(dev, cfg, hw):

@@ -8,10 +8,11 @@ import time
 
 import machine
 import network
+from micropython import const
 
 
-_EPOCH_2000 = 946684800  # ports whose time() counts from 2000
-_CLOCK_VALID = 1672531200  # 2023-01-01: anything earlier means "not set"
+_EPOCH_2000 = const(946684800)  # ports whose time() counts from 2000
+_CLOCK_VALID = const(1672531200)  # 2023-01-01: anything earlier means "not set"
 
 
 class Hardware:

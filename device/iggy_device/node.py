@@ -25,6 +25,7 @@ import json
 import time
 
 from umqtt import simple as _umqtt
+from micropython import const
 from umqtt.simple import MQTTClient, MQTTException
 
 from . import codec, fsutil, unload, wire
@@ -39,10 +40,10 @@ NET_ERRORS = (OSError, MQTTException, IndexError, AssertionError)
 # counter and a longer backoff.
 AUTH_REFUSED = (4, 5, 0x86, 0x87)
 
-_MSGS_PER_POLL = 16  # inbound messages handled per poll(): the loop stays responsive
-_REFILLS = 8  # connect(): reconnects to fetch what a full inbox refused
+_MSGS_PER_POLL = const(16)  # inbound messages handled per poll(): the loop stays responsive
+_REFILLS = const(8)  # connect(): reconnects to fetch what a full inbox refused
 _DIAG_RETRY_MS = 10000  # a diag message the heap had no block for: tried again after 10 s
-_NTP_RETRY_MS = 600000  # a clock that did not sync is tried again after 10 min
+_NTP_RETRY_MS = const(600000)  # a clock that did not sync is tried again after 10 min
 
 
 class InboxFull(OSError):

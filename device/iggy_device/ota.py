@@ -17,23 +17,27 @@
 # a reconnect or a reboot resumes.  Every chunk's and every file's sha256 is
 # checked; then the one atomic step (otastate.switch: a rename of ota.json)
 # and a reset.  The new version runs in trial until its first reading is on
-# the gateway (receipted; published when receipts are off): see poll().
+# the gateway (receipted; published when receipts are off): see run().
+# Names are few and reused from the library (heap: otastate.py says why).
 import json
 import time
 from binascii import hexlify
 from hashlib import sha256
 
-from . import fsutil, unload
+from micropython import const
+
+from . import codec, fsutil, unload
 from .node import NET_ERRORS
 
-_SEP = (",", ":")
+_SEP = const((",", ":"))
+_S = const("s")  # the slots' directory
 # bytes of data a chunk may carry (the "n" of need): umqtt takes a message in
 # one allocation, and on a board's fragmented heap 1 kB was the one that failed
-CHUNK = 512
-_RETRIES = 3  # a file whose sha256 fails more often in one boot fails the update
+_CHUNK = const(512)
+_RETRIES = const(3)  # a file whose sha256 fails more often in one boot fails the update
 
 
-def _state():
+def state():
     from . import otastate
 
     return otastate
@@ -43,18 +47,18 @@ class Ota:
     def __init__(self, dev):
         self.dev = dev
         cfg = dev.cfg
-        self.topic = (cfg.topic_prefix + "/" + cfg.device_id + "/up/ota").encode()
-        s = _state()
+        self.topic = codec.topic(cfg.topic_prefix, cfg.device_id, "up", "ota").encode()
+        s = state()
         self.st = s.load()
-        self.m = s.on_flash(self.st)  # the manifest being downloaded (with its "slot"), or None
+        self.m = s.find(self.st)  # the manifest being downloaded (with its "slot"), or None
         unload("otastate")
-        self.need = None  # [file, offset] wanted next
-        self.fails = 0
+        self.want = None  # [file, offset] wanted next
+        self.n = 0  # sha256 failures of this download in this boot
         self.first = None  # seq of this boot's first reading (trial)
-        self.t0 = time.ticks_ms()
+        self.t = time.ticks_ms()
         # dev.stats["connects"] of the session greeted (with need, trial): not
         # this one when a message of it loaded the receiver (it gets its answer)
-        self.conn = dev.stats["connects"] if dev._client is not None else -1
+        self.connects = dev.stats["connects"] if dev._client is not None else -1
         if self.m is not None:
             self.resume()
 
@@ -68,34 +72,34 @@ class Ota:
         its deadline, the greeting of a new session, a pending report.
         Drops the receiver once nothing is pending."""
         try:
-            self._poll()
+            self.run()
         except MemoryError as e:
             self.dev._oom(e)  # next time
 
-    def _poll(self):
+    def run(self):
         dev = self.dev
         st = self.st
-        if dev._client is not None and dev.stats["connects"] != self.conn:
-            self.conn = dev.stats["connects"]  # a new session: say where the board is
+        if dev._client is not None and dev.stats["connects"] != self.connects:
+            self.connects = dev.stats["connects"]  # a new session: say where the board is
             tr = st.get("trial")
             if tr is not None:
-                self.reply({"id": tr["id"], "st": "trial", "v": st.get("v")})
+                self.send({"id": tr["id"], "st": "trial", "v": st.get("v")})
             else:
-                self.reply_need()
+                self.need()
         c = dev._client
         if "trial" in st:
-            if self.first is not None and c is not None and _released(dev.ring, self.first):
-                _state().confirm(st)
+            if self.first is not None and c is not None and _release_to(dev.ring, self.first):
+                state().done(st)
                 unload("otastate")
                 dev.log("ota: confirmed", st.get("v"))
-            elif time.ticks_diff(time.ticks_ms(), self.t0) > st.get("t", 300) * 1000:
-                _state().fail_trial(self, "not confirmed within " + str(st.get("t", 300)) + " s")
+            elif time.ticks_diff(time.ticks_ms(), self.t) > st.get("t", 300) * 1000:
+                state().rewind(st, "not confirmed within %d s" % st.get("t", 300), True, dev)
         if c is None:
             return
         rep = st.get("rep")
-        if rep is not None and self.reply(rep):
+        if rep is not None and self.send(rep):
             st.pop("rep", None)
-            _state().save(st)
+            state().write(st)
             unload("otastate")
         if "trial" not in st and "rep" not in st and self.m is None:
             dev._ota = None  # nothing pending: drop this code (heap)
@@ -109,7 +113,7 @@ class Ota:
         except (ValueError, KeyError, TypeError):
             t = None
         if t == "c" and i > 0:
-            self._chunk(doc, memoryview(msg)[i + 1 :])
+            self.write(doc, memoryview(msg)[i + 1 :])
         elif t in ("m", "x", "q"):
             msg = None
             from . import otaman
@@ -123,7 +127,9 @@ class Ota:
             self.dev.log("ota: bad message")
 
     # -- download -------------------------------------------------------------
-    def _chunk(self, doc, data):
+    def write(self, doc, data):
+        """A chunk: ``data`` of file ``f`` at offset ``o`` (straight from the
+        message: no copy), appended once its sha256 is checked."""
         m = self.m
         if m is None or doc.get("id") != m["id"]:
             from . import otaman
@@ -132,27 +138,27 @@ class Ota:
             unload("otaman")
             return
         f, o = doc.get("f"), doc.get("o")
-        if [f, o] != self.need:
-            self.reply_need()  # a duplicate or a late resend: ask for what is wanted
+        if [f, o] != self.want:
+            self.need()  # a duplicate or a late resend: ask for what is wanted
             return
         path, size, _ = m["files"][f]
         h = doc.get("h")
         n = len(data)
         if not n or o + n > size or not isinstance(h, str) or hexlify(sha256(data).digest()) != h.encode():
-            self.dev.log("ota: chunk", f, o, "refused (sha256 or size)")
-            self.reply({"id": m["id"], "st": "bad", "f": f, "o": o})
+            self.dev.log("ota: chunk %d at %d refused (sha256 or size)" % (f, o))
+            self.send({"id": m["id"], "st": "bad", "f": f, "o": o})
             return
         with open(self.path(path), "ab") as fh:
             fh.write(data)
         self.dev.hw.feed()
         if self.resume():
-            self.reply_need()
+            self.need()
 
-    def path(self, rel):
-        return "s/" + self.m["slot"] + "/" + rel
+    def path(self, p):
+        return "%s/%s/%s" % (_S, self.m["slot"], p)
 
     def resume(self):
-        """Set ``need`` from what the staging slot holds; when every file is
+        """Set ``want`` from what the staging slot holds; when every file is
         there and its sha256 checked, switch (and reset).  False: nothing
         to ask."""
         m = self.m
@@ -167,30 +173,30 @@ class Ota:
                 open(p, "wb").close()
                 have = 0
             if have < size:
-                self.need = [i, have]
+                self.want = [i, have]
                 return True
-            if have > size or _sha(p) != want:
+            if have > size or digest(p) != want:
                 fsutil.remove(p)
-                self.fails += 1
-                self.dev.log("ota:", path, "sha256 does not match: fetching it again")
-                if self.fails > _RETRIES:
+                self.n += 1
+                self.dev.log("ota: %s sha256 does not match: fetching it again" % path)
+                if self.n > _RETRIES:
                     from . import otaman
 
-                    otaman.fail(self, m["id"], "sha256 of " + path + " does not match")
+                    otaman.refuse(self, m["id"], "sha256 of %s does not match" % path)
                     unload("otaman")
                     return False
-                self.need = [i, 0]
+                self.want = [i, 0]
                 return True
             self.dev.hw.feed()
-        _state().staged(self, m)  # the switch; resets
+        state().staged(self, m)  # the switch; resets
         return False
 
     # -- replies ----------------------------------------------------------------
-    def reply_need(self):
-        if self.need is not None:
-            self.reply({"id": self.m["id"], "st": "need", "f": self.need[0], "o": self.need[1], "n": CHUNK})
+    def need(self):
+        if self.want is not None:
+            self.send({"id": self.m["id"], "st": "need", "f": self.want[0], "o": self.want[1], "n": _CHUNK})
 
-    def reply(self, doc):
+    def send(self, doc):
         """QoS1 on up/ota; False when not connected (the next session's
         greeting, or the gateway's resend, makes up for it)."""
         dev = self.dev
@@ -208,7 +214,8 @@ class Ota:
         return True
 
 
-def _sha(path):
+def digest(path):
+    """The sha256 (hex) of the file ``path``."""
     h = sha256()
     buf = bytearray(256)
     with open(path, "rb") as f:
@@ -220,7 +227,7 @@ def _sha(path):
     return hexlify(h.digest()).decode()
 
 
-def _released(ring, seq):
+def _release_to(ring, seq):
     """The ring holds no record up to ``seq`` any more: the gateway has it
     (receipted), or the broker (PUBACK, receipts off)."""
     segs = ring._segs

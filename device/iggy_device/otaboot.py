@@ -19,7 +19,7 @@ import sys
 def run():
     from . import otapick, unload
 
-    trial = otapick.pick()  # None: safe mode
+    trial = otapick.run()  # None: safe mode
     otapick = None
     unload("otapick")  # sys.modules and the package's attribute: both keep it alive
     if trial is None:
@@ -28,14 +28,9 @@ def run():
         __import__("main")
     except Exception as e:  # noqa: BLE001 - SyntaxError, ImportError, anything at import
         del sys.path[:2]  # the slot: what handles it is the board's own library
-        _forget("iggy_device")
-        _forget("main")
+        for k in list(sys.modules):
+            if k.startswith("iggy_device") or k.startswith("main"):
+                del sys.modules[k]
         from . import otastate
 
-        otastate.import_failed(e, trial)
-
-
-def _forget(prefix):
-    for k in list(sys.modules):
-        if k.startswith(prefix):
-            del sys.modules[k]
+        otastate.fatal(e, trial)

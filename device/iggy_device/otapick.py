@@ -1,13 +1,20 @@
 # Over-the-air updates: the loader's boot step (otaboot.py), loaded for it
 # and dropped before the app starts.  Reads ota.json without otastate.py
-# (which is loaded only in a trial or for a failure: heap).
+# (which is loaded only in a trial or for a failure: heap).  Its few short
+# strings are const() (no qstr: otastate.py says why).
 import gc
 import sys
 
+from micropython import const
+
 from . import fsutil
 
+_MAIN = const(("/main.py", "/main.mpy"))
+_SLOT = const("s/")
+_LIB = const("/lib")
 
-def pick():
+
+def run():
     """Safe mode: None.  Otherwise the running slot goes first on sys.path
     (a trial boot counted first) and this returns whether a trial runs."""
     if fsutil.exists("safe"):
@@ -18,25 +25,26 @@ def pick():
     if trial:
         from . import otastate, unload
 
-        trial = otastate.count_boot()  # False: rolled back
+        trial = otastate.boot()  # False: rolled back
         otastate = None
         unload("otastate")
         raw = fsutil.read("ota.json")
-    slot = "s/a"
+    slot = "a"
     if raw:
         import json
 
         try:
-            slot = "s/" + json.loads(raw)["cur"]
+            slot = json.loads(raw)["cur"]
         except (ValueError, KeyError, TypeError):
             pass  # otastate.load() reads it the same way: slot a
-    if not (fsutil.exists(slot + "/main.py") or fsutil.exists(slot + "/main.mpy")):
+    slot = _SLOT + slot
+    if not (fsutil.exists(slot + _MAIN[0]) or fsutil.exists(slot + _MAIN[1])):
         from . import otastate
 
-        otastate.import_failed(ImportError("no main.py in " + slot), trial)  # resets
-    sys.path.insert(0, slot + "/lib")
+        otastate.fatal(ImportError("no main.py in " + slot), trial)  # resets
+    sys.path.insert(0, slot + _LIB)
     sys.path.insert(0, slot)
-    if fsutil.exists(slot + "/lib/iggy_device"):
+    if fsutil.exists(slot + _LIB + "/iggy_device"):
         for k in list(sys.modules):  # the app's library is the slot's own
             if k.startswith("iggy_device"):
                 del sys.modules[k]

@@ -16,20 +16,28 @@
 # A board without ota.json runs slot "a" (provisioning wrote it).  Loaded
 # in a trial, for an update's rare steps, and for failures; then dropped.
 # Pure: json + fsutil (a reset through boot.py).
+# Names (heap): every distinct name and every string of at most 10
+# characters is a qstr, and on a 32-bit board the library, umqtt and the
+# app fill 5 qstr pools (620 names): a 6th costs ~4.7 kB.  So the OTA
+# modules reuse names the library already has (load, write, find, done,
+# rewind, boot, fatal, reset), their constants are const() (no qstr: an int,
+# or a str object), and messages are built with one long format string.
 import json
+
+from micropython import const
 
 from . import fsutil
 
-STATE = "ota.json"
-MANIFEST = "s/m.json"
-FATAL = "fatal.txt"
-N_BOOTS = 3  # trial boots without confirmation before the rollback
-T_S = 300  # seconds one trial boot may run without confirmation
-_SEP = (",", ":")
+_STATE = const("ota.json")
+_N_BOOTS = const(3)  # trial boots without confirmation before the rollback
+_SEP = const((",", ":"))
+_JOIN = const("%s: %s")
+_IMPORT = const("import: ")
+# T: 300 s, what one trial boot may run without confirmation (ota.py)
 
 
 def load():
-    raw = fsutil.read(STATE)
+    raw = fsutil.read(_STATE)
     if raw:
         try:
             st = json.loads(raw)
@@ -40,19 +48,11 @@ def load():
     return {"cur": "a"}
 
 
-def save(st):
-    fsutil.write_atomic(STATE, json.dumps(st, separators=_SEP).encode())
+def write(st):
+    fsutil.write_atomic(_STATE, json.dumps(st, separators=_SEP).encode())
 
 
-def slot_dir(name):
-    return "s/" + name
-
-
-def other(name):
-    return "b" if name == "a" else "a"
-
-
-def count_boot():
+def boot():
     """The loader, at a trial boot: count it, and roll back when the trial
     has used its boots (before anything of it runs).  Returns whether the
     trial goes on."""
@@ -60,48 +60,38 @@ def count_boot():
     tr = st.get("trial")
     if tr is None:
         return False
-    tr["boots"] = tr.get("boots", 0) + 1
-    if tr["boots"] <= st.get("n", N_BOOTS):
-        save(st)
-        print("[iggy] ota: trial boot", tr["boots"], "of", st.get("n", N_BOOTS), "of", st.get("v"))
+    n = tr["boots"] = tr.get("boots", 0) + 1
+    if n <= st.get("n", _N_BOOTS):
+        write(st)
+        print("[iggy] ota: trial boot %d of %d of %s" % (n, st.get("n", _N_BOOTS), st.get("v")))
         return True
-    why = "not confirmed in " + str(tr["boots"] - 1) + " boots"
-    last = fsutil.read(FATAL)
-    if last:
-        try:
-            why += ": " + last.decode()
-        except UnicodeError:
-            pass
-    roll_back(st, why)
-    print("[iggy] ota: rolled back to", st.get("v"), "-", why)
+    rewind(st, "not confirmed in %d boots" % (n - 1), True)
     return False
 
 
-def switch(st, slot, uid, v):
-    """The one atomic step of an update: ``slot`` (complete, every file's
-    sha256 checked) becomes the running one, in trial."""
-    st["prev"] = st["cur"]
-    st["pv"] = st.get("v")
-    st["cur"] = slot
-    st["v"] = v
-    st["trial"] = {"id": uid, "boots": 0}
-    st.pop("rep", None)  # the gateway has moved on to this update
-    fsutil.remove(FATAL)  # what a rollback reports is this trial's error, not an older one
-    save(st)
-
-
-def confirm(st):
+def done(st):
+    """The trial confirmed itself."""
     tr = st.pop("trial")
     st.pop("prev", None)
     st.pop("pv", None)
     st["id"] = tr["id"]
     st["rep"] = {"id": tr["id"], "st": "done", "v": st.get("v")}
-    save(st)
+    write(st)
 
 
-def roll_back(st, why):
-    """Back to the previous slot (same atomic rename); the reason goes to
-    fatal.txt and into the report the old version sends once connected."""
+def rewind(st, why, raw=False, dev=None):
+    """Roll back to the previous slot (the same atomic rename); the reason
+    (with ``raw``: and the last uncaught error, fatal.txt) goes to fatal.txt
+    and into the report the old version sends once connected.  With ``dev``
+    (the trial ran out of time in this boot) the board resets; at boot the
+    loader goes on with the old slot."""
+    if raw:
+        raw = fsutil.read("fatal.txt")
+        if raw:
+            try:
+                why = _JOIN % (why, raw.decode())
+            except UnicodeError:
+                pass
     tr = st.pop("trial")
     why = why[:200]
     prev = st.pop("prev", None)
@@ -111,20 +101,25 @@ def roll_back(st, why):
     st["rb"] = [tr["id"], why]
     st["rep"] = {"id": tr["id"], "st": "rolled_back", "v": st.get("v"), "why": why}
     try:
-        fsutil.write_atomic(FATAL, why.encode())
+        fsutil.write_atomic("fatal.txt", why.encode())
     except OSError:
         pass  # a full flash: the report still carries it
-    save(st)
+    write(st)
+    why = "rolled back to %s - %s" % (st.get("v"), why)
+    if dev is None:
+        print("[iggy] ota:", why)
+    else:
+        reset(dev, why)
 
 
-def on_flash(st):
+def find(st):
     """The manifest of the download in progress (ota.py), or None; one
     left over from before a switch (or torn) is removed."""
-    if not fsutil.exists(MANIFEST):
+    if not fsutil.exists("s/m.json"):
         return None
     m = None
     try:
-        with open(MANIFEST) as f:
+        with open("s/m.json") as f:
             m = json.load(f)  # from the stream: no copy of the file
         tr = st.get("trial")
         if m["slot"] == st["cur"] or (tr and tr["id"] == m["id"]):
@@ -132,53 +127,50 @@ def on_flash(st):
     except (OSError, ValueError, KeyError, TypeError):
         m = None  # torn: the gateway sends the manifest again
     if m is None:
-        fsutil.remove(MANIFEST)
+        fsutil.remove("s/m.json")
     return m
 
 
 def staged(o, m):
     """Every file of ``m`` is in the staging slot, its sha256 checked: say
-    so, switch, reset into the trial."""
-    o.reply({"id": m["id"], "st": "staged", "v": m["v"]})
-    o.m = o.need = None  # what shutdown() still handles is answered "trial"
-    switch(o.st, m["slot"], m["id"], m["v"])  # the atomic step
-    fsutil.remove(MANIFEST)
+    so, switch (the one atomic step of an update: the slot becomes the
+    running one, in trial), reset into the trial."""
+    o.send({"id": m["id"], "st": "staged", "v": m["v"]})
+    o.m = o.want = None  # what shutdown() still handles is answered "trial"
+    st = o.st
+    st["prev"] = st["cur"]
+    st["pv"] = st.get("v")
+    st["cur"] = m["slot"]
+    st["v"] = m["v"]
+    st["trial"] = {"id": m["id"], "boots": 0}
+    st.pop("rep", None)  # the gateway has moved on to this update
+    fsutil.remove("fatal.txt")  # what a rollback reports is this trial's error, not an older one
+    write(st)  # the atomic step
+    fsutil.remove("s/m.json")
     reset(o.dev, "switched to " + m["v"])
 
 
-def fail_trial(o, why):
-    """The running trial failed in this boot (no confirmation in time)."""
-    last = fsutil.read(FATAL)
-    if last:
-        why += ": " + last.decode()
-    roll_back(o.st, why)
-    reset(o.dev, "rolled back to " + str(o.st.get("v")) + " - " + why)
-
-
 def reset(dev, why):
-    dev.log("ota:", why, "- reset")
-    dev.shutdown()
-    _reset()
-
-
-def _reset():
+    """``dev``'s session ends (shutdown), then the board resets; None:
+    at once (the loader: nothing runs yet)."""
+    if dev is not None:
+        dev.log("ota: %s - reset" % why)
+        dev.shutdown()
     from . import boot  # the hardware (machine) is boot.py's and hw.py's
 
     boot.machine.reset()
 
 
-def import_failed(err, trial):
+def fatal(e, trial):
     """The app's entry module raised at import (SyntaxError, ImportError,
     any exception): in a trial that is a failed trial, rolled back at once
     (and reset, so the old version starts in a clean interpreter);
     otherwise the library's last resort (fatal.txt, reset in 10 s)."""
-    why = "import: " + repr(err)
     if trial:
         st = load()
         if "trial" in st:
-            roll_back(st, why)
-            print("[iggy] ota: rolled back to", st.get("v"), "-", why)
-            _reset()
+            rewind(st, _IMPORT + repr(e))
+            reset(None, None)
     from . import boot
 
-    boot.fatal(err, None, False)
+    boot.fatal(e, None, False)

@@ -34,10 +34,11 @@
 #   both cursors move together at ``pop()``, as before receipts.
 import json
 import os
+from micropython import const
 
 from . import fsutil
 
-_SEQ = b'"seq":'
+_SEQ = const(b'"seq":')
 
 
 def seq_of(payload, start=0):

@@ -23,6 +23,7 @@ import errno
 import time
 
 import socket as _socket
+from micropython import const
 
 _EAGAIN = (errno.EAGAIN, errno.ETIMEDOUT)  # what a timed-out read reports
 
@@ -40,8 +41,8 @@ _addr = None
 # first connect (a MemoryError there is a failed connect, retried): a new
 # one at every reconnect was an allocation a fragmented heap could fail.
 buf = None
-_SIZE = 384
-_HEAD = 96  # bytes of a message cut short: a command's id is in them
+_SIZE = const(384)
+_HEAD = const(96)  # bytes of a message cut short: a command's id is in them
 
 
 def socket(*args):

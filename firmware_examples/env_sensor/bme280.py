@@ -6,18 +6,19 @@
 # single precision, such as the ESP32.  Pure: needs only an object with
 # readfrom_mem / writeto_mem (machine.I2C), so it is tested on CPython.
 import time
+from micropython import const
 
 ADDRESSES = (0x76, 0x77)
 CHIP_BME280 = 0x60
 CHIP_BMP280 = 0x58
 
-_REG_ID = 0xD0
-_REG_CALIB_TP = 0x88  # 26 bytes: T1..T3, P1..P9, (0xA0), H1 at 0xA1
-_REG_CALIB_H = 0xE1  # 7 bytes: H2..H6
-_REG_CTRL_HUM = 0xF2
-_REG_STATUS = 0xF3
-_REG_CTRL_MEAS = 0xF4
-_REG_DATA = 0xF7  # 8 bytes: press[3] temp[3] hum[2]
+_REG_ID = const(0xD0)
+_REG_CALIB_TP = const(0x88)  # 26 bytes: T1..T3, P1..P9, (0xA0), H1 at 0xA1
+_REG_CALIB_H = const(0xE1)  # 7 bytes: H2..H6
+_REG_CTRL_HUM = const(0xF2)
+_REG_STATUS = const(0xF3)
+_REG_CTRL_MEAS = const(0xF4)
+_REG_DATA = const(0xF7)  # 8 bytes: press[3] temp[3] hum[2]
 
 _sleep_ms = getattr(time, "sleep_ms", None) or (lambda ms: time.sleep(ms / 1000))
 

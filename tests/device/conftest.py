@@ -13,8 +13,9 @@ from tests.support.broker import Broker
 from tests.support.micropython import DEVICE_DIR, EXAMPLES_DIR, MqttLog
 
 # The pure device modules run under CPython too: make them importable the
-# way MicroPython sees them on a board (/lib/iggy_device, /bme280.py).
-for p in (str(DEVICE_DIR), str(EXAMPLES_DIR / "env_sensor")):
+# way MicroPython sees them on a board (/lib/iggy_device, /bme280.py), with
+# a stand-in for the built-in ``micropython`` module (const()).
+for p in (str(DEVICE_DIR), str(EXAMPLES_DIR / "env_sensor"), str(Path(__file__).parent / "cpython")):
     if p not in sys.path:
         sys.path.insert(0, p)
 

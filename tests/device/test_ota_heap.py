@@ -26,14 +26,15 @@ from tests.support.micropython import (
     unique_device_id,
     wait_console,
 )
-from tests.support.ota_sender import OtaSender, Supervisor, app_files, booted_versions, install_ota_board
+from tests.support.ota_sender import OtaSender, Supervisor, app_files, booted_versions, install_provisioned
 
 pytestmark = pytest.mark.micropython
 
 # bench/ota_device_bench.py --min-heap, smallest heap with a 30 kB update in
 # progress, per word size of the port (4: the 32-bit float32 build, as an
-# ESP32; 8: the 64-bit Unix port)
-OTA_MIN_HEAP = {4: "76k", 8: "112k"}
+# ESP32: 68k, 64k fails; 8: the 64-bit Unix port: the bench's 92k passed
+# this test 1 of 3 times, 96k 3 of 3)
+OTA_MIN_HEAP = {4: "68k", 8: "96k"}
 
 
 def _word_bytes() -> int:
@@ -55,7 +56,7 @@ def test_env_sensor_keeps_publishing_while_an_update_is_applied_in_the_measured_
     log = MqttLog(broker, f"edge/{dev}/up/#", tmp_path, f"sub-{dev}")
     flash = Flash(tmp_path / dev)
     cfg = board_config(broker.host, broker.port, dev, period_ms=100, receipts=True)
-    install_ota_board(flash, "1", cfg)
+    install_provisioned(flash, cfg)  # the bench's layout: provisioning's, env_sensor unstamped
     board = Board(flash, heapsize=heap)
     sup = Supervisor(board)
     sender = None
@@ -78,7 +79,7 @@ def test_env_sensor_keeps_publishing_while_an_update_is_applied_in_the_measured_
         log.stop()
     console = flash.text("_console.log")
     assert "fatal" not in console, console[-3000:]
-    assert booted_versions(console) == [("1", "1"), ("2", "2")]
+    assert booted_versions(console) == [("2", "2")]  # v1 is the example as provisioned (no stamp)
     seqs = [int(d["seq"]) for d in log.json("/up/env")] + [int(d["seq"]) for d in log.json("/up/diag")]
     first = sorted(set(seqs))  # at least once: a reading re-sent after a reconnect comes twice
     # none lost: the only gap is the one the reset skips (the rest of a seq_block, 64)

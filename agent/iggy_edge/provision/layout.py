@@ -52,6 +52,25 @@ def app_path(name: str, *, slots: bool) -> str:
     return f"{SLOT}/{name}" if slots else name
 
 
+def module_name(board_path: str) -> str:
+    """The module a board path imports as (``lib/iggy_device/ota.py`` ->
+    ``iggy_device.ota``, ``s/a/bme280.py`` -> ``bme280``): the source name
+    given to mpy-cross (``-s``).  The board interns a module's name when it
+    imports it, so that name as the .mpy's source file costs no qstr, where
+    the host's path of the source costs one per module (about 30 on a board
+    with an update running: a pool of qstrs more, ~4.7 kB on a 32-bit board).
+    Tracebacks then name the module: ``File "iggy_device.ota", line 12``."""
+    parts = board_path.split("/")
+    if len(parts) > 2 and parts[0] == "s":
+        parts = parts[2:]  # a slot's
+    if len(parts) > 1 and parts[0] == "lib":
+        parts = parts[1:]
+    parts[-1] = parts[-1].rpartition(".")[0] or parts[-1]
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
 def app_name(board_path: str) -> str | None:
     """The app file's name of a board path (root or slot), None for others."""
     if board_path.startswith(SLOT + "/"):

