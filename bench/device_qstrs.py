@@ -16,7 +16,11 @@ answered, a real Mosquitto); its main.py gets a few lines that print
 Prints one JSON line per case:
   {"bench": "device_qstrs", "case": "plain", "n_qstr": N, "n_pool": P, "qstr_bytes": B, ...}
 
-Run: .venv32/bin/python bench/device_qstrs.py [--source]   (.venv/bin/python: the 64-bit port)
+``--names`` adds the list of the board's own qstrs (``qstr_info(1)``, the
+names interned at run time, not the firmware's) to each line.
+
+Run: .venv32/bin/python bench/device_qstrs.py [--source] [--case plain] [--names]
+     (.venv/bin/python: the 64-bit port)
 """
 
 from __future__ import annotations
@@ -49,14 +53,17 @@ HOOK = """    import micropython
     def read():
         _k[0] += 1
         if _k[0] % 30 == 0:
-            micropython.qstr_info()
+            micropython.qstr_info(ARG)
         return _r()
     n = dev.run(read, "env")"""
 
 
-def hook(main: Path) -> None:
+CASES = ("plain", "ota_layout", "ota_update")
+
+
+def hook(main: Path, dump: bool = False) -> None:
     s = main.read_text()
-    hooked = s.replace('    n = dev.run(read, "env")', HOOK, 1)
+    hooked = s.replace('    n = dev.run(read, "env")', HOOK.replace("ARG", "1" if dump else ""), 1)
     assert hooked != s, "env_sensor's main.py changed: the hook does not fit"
     main.write_text(hooked)
 
@@ -77,7 +84,18 @@ def counts(console: str) -> dict[str, int]:
     return best
 
 
-def case(tmp: Path, broker: Broker, name: str, source: bool) -> dict[str, Any]:
+def names(console: str) -> list[str]:
+    """The dynamic qstrs of the console's last ``qstr_info(1)`` dump (``Q(name)`` lines)."""
+    out: list[str] = []
+    for line in console.splitlines():
+        if line.startswith("qstr pool:"):
+            out = []
+        elif line.startswith("Q(") and line.endswith(")"):
+            out.append(line[2:-1])
+    return out
+
+
+def case(tmp: Path, broker: Broker, name: str, source: bool, dump: bool = False) -> dict[str, Any]:
     dev = f"qstr-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     if name in ("plain", "ota_layout"):
@@ -88,12 +106,12 @@ def case(tmp: Path, broker: Broker, name: str, source: bool) -> dict[str, Any]:
             flash.compile_app()
         if name == "ota_layout":
             slot_layout(flash)
-        hook(flash.root / ("s/a/main.py" if name == "ota_layout" else "main.py"))
+        hook(flash.root / ("s/a/main.py" if name == "ota_layout" else "main.py"), dump)
         Board(flash, heapsize="160k").start().wait(120)
     else:
         cfg = board_config(broker.host, broker.port, dev, period_ms=100, receipts=True, wdt_ms=0)
         install_ota_board(flash, "1", cfg, mpy=not source)
-        hook(flash.root / "s/a/main.py")
+        hook(flash.root / "s/a/main.py", dump)
         board = Board(flash, heapsize="160k")
         sup = Supervisor(board)
         while "[iggy] connected to" not in flash.text("_console.log"):
@@ -106,22 +124,26 @@ def case(tmp: Path, broker: Broker, name: str, source: bool) -> dict[str, Any]:
             sender.close()
             time.sleep(0.3)
             sup.stop()
-    return {"bench": "device_qstrs", "case": name, "library": "source" if source else "mpy"} | counts(
-        flash.text("_console.log")
-    )
+    console = flash.text("_console.log")
+    out = {"bench": "device_qstrs", "case": name, "library": "source" if source else "mpy"} | counts(console)
+    if dump:
+        out["names"] = names(console)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", action="store_true", help="the library as .py (compiled on the board)")
+    ap.add_argument("--case", choices=CASES, action="append", help="only this case (repeatable)")
+    ap.add_argument("--names", action="store_true", help="also list the names (micropython.qstr_info(1))")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="iggy-qstrs-") as t:
         tmp = Path(t)
         broker = Broker(tmp / "broker").start()
         responder = ReceiptResponder(broker)
         try:
-            for name in ("plain", "ota_layout", "ota_update"):
-                print(json.dumps(case(tmp, broker, name, args.source)), flush=True)
+            for name in args.case or CASES:
+                print(json.dumps(case(tmp, broker, name, args.source, args.names)), flush=True)
         finally:
             responder.close()
             broker.stop()

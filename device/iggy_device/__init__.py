@@ -12,6 +12,6 @@ def unload(name):
     import sys
 
     sys.modules.pop("iggy_device." + name, None)
-    g = globals()
-    if name in g:
-        del g[name]
+    d = globals()
+    if name in d:
+        del d[name]

@@ -16,10 +16,10 @@ class Backoff:
 
     def next_ms(self):
         """Delay before the next attempt; each call counts one failure."""
-        ceiling = min(self.base_ms << min(self.attempts, 20), self.cap_ms)
+        limit = min(self.base_ms << min(self.attempts, 20), self.cap_ms)
         self.attempts += 1
-        half = ceiling // 2
-        return half + self._rand(ceiling - half)
+        half = limit // 2
+        return half + self._rand(limit - half)
 
     def reset(self):
         self.attempts = 0

@@ -22,8 +22,8 @@ def check_channel(channel):
     return channel
 
 
-def topic(prefix, device, *parts):
-    return prefix + "/" + device + "/" + "/".join(parts)
+def topic(p, dev, *parts):
+    return p + "/" + dev + "/" + "/".join(parts)
 
 
 def encode_reading(seq, ts, reading, own=False):

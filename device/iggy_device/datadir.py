@@ -23,44 +23,44 @@ def remove_tree(path):
         pass
 
 
-def claim(path, owner, log=None):
+def claim(path, dev, log=None):
     """Make ``path`` (the data directory: ring, seq, command ids, desired
-    config) belong to ``owner`` (the device id).  When it holds another
+    config) belong to ``dev`` (the device id).  When it holds another
     device's data (the board was re-provisioned under a new id), that data is
     removed: publishing the old board's readings under the new id, or
     continuing its sequence, would be wrong.  Returns True when it removed
     anything.  A directory from before this marker existed is adopted."""
-    marker = path + "/owner"
-    current = read(marker)
-    removed = False
-    if current is not None and current.decode() != owner:
+    p = path + "/owner"
+    cur = read(p)
+    found = False
+    if cur is not None and cur.decode() != dev:
         if log is not None:
-            log("data: belonged to", repr(current.decode()), "not", repr(owner), "- removed")
+            log("data: belonged to", repr(cur.decode()), "not", repr(dev), "- removed")
         remove_tree(path)
-        removed = True
+        found = True
     makedirs(path)
-    if removed or current is None:
-        write_atomic(marker, owner.encode())
-    return removed
+    if found or cur is None:
+        write_atomic(p, dev.encode())
+    return found
 
 
-def fit(path, want, unit, reserve=65536, log=None):
+def fit(path, want, seg, reserve=65536, log=None):
     """``want`` bytes for the store in directory ``path``, shrunk in whole
-    ``unit``s (at least two) to what it holds plus what the flash has free,
+    ``seg``s (at least two) to what it holds plus what the flash has free,
     keeping ``reserve`` free for everything else."""
     try:
         st = os.statvfs(path.rpartition("/")[0] or ".")
     except (AttributeError, OSError):
         return want
-    room = st[0] * st[4] - reserve  # f_bsize * f_bavail
+    n = st[0] * st[4] - reserve  # f_bsize * f_bavail
     try:
         for name in os.listdir(path):
-            room += max(0, size(path + "/" + name))
+            n += max(0, size(path + "/" + name))
     except OSError:
         pass
-    if want <= room:
+    if want <= n:
         return want
-    got = max(2 * unit, room // unit * unit)
+    got = max(2 * seg, n // seg * seg)
     if log is not None:
         log("flash: ring_bytes", want, "does not fit, using", got)
     return got

@@ -13,10 +13,10 @@ def exists(path):
 
 def makedirs(path):
     cur = "/" if path.startswith("/") else ""
-    for part in path.split("/"):
-        if not part:
+    for p in path.split("/"):
+        if not p:
             continue
-        cur = cur + part if cur in ("", "/") else cur + "/" + part
+        cur = cur + p if cur in ("", "/") else cur + "/" + p
         if not exists(cur):
             os.mkdir(cur)
 
@@ -37,18 +37,18 @@ def write_atomic(path, data):
     """Write ``data`` so a reader sees the old or the new content, never a
     torn mix.  littlefs and POSIX rename over an existing file atomically;
     FAT refuses, so remove first and rely on ``read`` trying ``.tmp``."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    t = path + ".tmp"
+    with open(t, "wb") as f:
         f.write(data)
         _sync(f)
     try:
-        os.rename(tmp, path)
+        os.rename(t, path)
     except OSError:
         try:
             os.remove(path)
         except OSError:
             pass
-        os.rename(tmp, path)
+        os.rename(t, path)
 
 
 def remove(path):

@@ -49,20 +49,20 @@ class Hardware:
         cancel that."""
         if self._wlan is None:
             self._wlan = network.WLAN(network.STA_IF)
-        wlan = self._wlan
-        wlan.active(True)
-        if wlan.isconnected() or wlan.status() == getattr(network, "STAT_CONNECTING", None):
+        w = self._wlan
+        w.active(True)
+        if w.isconnected() or w.status() == getattr(network, "STAT_CONNECTING", None):
             return
         try:
-            wlan.connect(ssid, password)
+            w.connect(ssid, password)
         except OSError as e:
             # a stale attempt the driver gave up on: clear it, start again
             self._log("wifi:", repr(e))
             try:
-                wlan.disconnect()
-                wlan.connect(ssid, password)
-            except OSError as e2:
-                self._log("wifi:", repr(e2))
+                w.disconnect()
+                w.connect(ssid, password)
+            except OSError as err:
+                self._log("wifi:", repr(err))
 
     def wifi_off(self):
         if self._wlan is not None:
@@ -90,11 +90,11 @@ class Hardware:
 
     # -- power -----------------------------------------------------------------
     def reset_cause(self):
-        cause = machine.reset_cause()
+        c = machine.reset_cause()
         for name in ("PWRON_RESET", "HARD_RESET", "WDT_RESET", "DEEPSLEEP_RESET", "SOFT_RESET"):
-            if getattr(machine, name, None) == cause:
+            if getattr(machine, name, None) == c:
                 return name[:-6].lower()
-        return str(cause)
+        return str(c)
 
     def woke_from_deepsleep(self):
         return machine.reset_cause() == getattr(machine, "DEEPSLEEP_RESET", -1)

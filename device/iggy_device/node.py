@@ -30,6 +30,12 @@ from umqtt.simple import MQTTClient, MQTTException
 
 from . import codec, fsutil, unload, wire
 
+# ring.py here, though only devinit.py and receipts.py use it: compiled on
+# the board from source (344 lines) it needs the most heap after node.py,
+# and right after node.py the heap is still in one piece (at Device() it had
+# 32 kB free in holes of at most 2.7 kB, and env_sensor failed in 72k)
+from .ring import Ring  # noqa: F401
+
 # umqtt signals a dead connection in several ways: OSError from the socket,
 # MQTTException for a refused CONNECT, IndexError when a read returns b"",
 # AssertionError on an unexpected packet.
@@ -107,12 +113,12 @@ class Device:
             self._inbound().boot_config(fn)
         return fn
 
-    def publish(self, channel, reading, _own=False):
+    def publish(self, channel, reading, own=False):
         """Number ``reading`` (a dict) and send or buffer it; returns seq."""
         codec.check_channel(channel)
         n = self.seq.next()
-        self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading, _own))
-        if self._ota is not None and not _own:
+        self._send(channel, codec.encode_reading(n, self.hw.unix_time(), reading, own))
+        if self._ota is not None and not own:
             self._ota.published(n)  # an update's trial confirms with its first reading
         return n
 
@@ -148,13 +154,13 @@ class Device:
 
     def wait(self, ms, step_ms=100):
         """Sleep ``ms`` while servicing the connection and the watchdog."""
-        t0 = time.ticks_ms()
+        start = time.ticks_ms()
         while True:
             self.poll()
-            left = ms - time.ticks_diff(time.ticks_ms(), t0)
-            if left <= 0:
+            t = ms - time.ticks_diff(time.ticks_ms(), start)
+            if t <= 0:
                 return
-            time.sleep_ms(left if left < step_ms else step_ms)
+            time.sleep_ms(t if t < step_ms else step_ms)
 
     def run(self, read, channel="telemetry", period_ms=None, cycles=None):
         """The usual sensor loop: every ``period_ms`` call ``read()`` (a dict
@@ -162,7 +168,7 @@ class Device:
         limit = self.cfg.cycles if cycles is None else cycles
         n = 0
         while True:
-            t0 = time.ticks_ms()
+            start = time.ticks_ms()
             reading = read()
             if reading is not None:
                 self.publish(channel, reading)
@@ -171,10 +177,10 @@ class Device:
             if limit and n >= limit:
                 return n
             # re-read each cycle: a config callback may change the period
-            period = self.cfg.period_ms if period_ms is None else period_ms
-            left = period - time.ticks_diff(time.ticks_ms(), t0)
-            if left > 0:
-                self.wait(left)
+            ms = self.cfg.period_ms if period_ms is None else period_ms
+            t = ms - time.ticks_diff(time.ticks_ms(), start)
+            if t > 0:
+                self.wait(t)
 
     def connected(self):
         return self._client is not None
@@ -203,13 +209,13 @@ class Device:
         found out in this call (receipts.py falls back to PUBACK, and
         remembers it across deep sleep), not never on a board whose every
         wake is shorter than the fallback."""
-        t0 = time.ticks_ms()
+        start = time.ticks_ms()
         r = self.receipts
         while len(self.ring):
             limit = budget_ms
             if r is not None and not r.go:
                 limit += self.cfg.receipt_timeout_ms
-            if time.ticks_diff(time.ticks_ms(), t0) >= limit or not self.poll():
+            if time.ticks_diff(time.ticks_ms(), start) >= limit or not self.poll():
                 break
         return not len(self.ring)
 
@@ -239,10 +245,9 @@ class Device:
         self._save_rtc()
 
     def diag(self):
-        free, alloc = self.hw.heap()
+        h = self.hw.heap()  # first: before the document is allocated
         d = self.ring.stats()
-        d["heap_free"] = free
-        d["heap_alloc"] = alloc
+        d["heap_free"], d["heap_alloc"] = h
         d["reset"] = self.reset_cause
         d["seq_recovered"] = 1 if self.seq.recovered else 0
         if self.receipts is None:
@@ -273,7 +278,7 @@ class Device:
             self._up[channel] = t
         return t
 
-    def _send(self, channel, payload, drain=True):
+    def _send(self, channel, payload, flush=True):
         ring = self.ring
         if self._client is not None and not len(ring) and not ring.hold:
             try:
@@ -293,7 +298,7 @@ class Device:
             self.log("buffer full: dropped", lost, "oldest readings, total", ring.dropped)
         if ring.evicted != evicted and self.receipts is not None:
             self.receipts.before_send(None, True)
-        if drain and ring.hold and self._client is not None:
+        if flush and ring.hold and self._client is not None:
             try:  # held until its receipt: send it now, behind anything unsent
                 self._drain(self.cfg.drain_per_poll)
             except NET_ERRORS as e:
@@ -316,10 +321,10 @@ class Device:
             return  # a new connection waits for the gateway's first receipt
         n = 0
         while n < limit and self._client is not None:
-            rec = self.ring.peek()
-            if rec is None:
+            msg = self.ring.peek()
+            if msg is None:
                 return
-            self._pub(rec[0], rec[1])
+            self._pub(msg[0], msg[1])
             self.ring.pop()
             self.hw.feed()
             n += 1
@@ -356,11 +361,11 @@ class Device:
         if time.ticks_diff(now, self._next_try) < 0:
             return False
         cfg = self.cfg
-        stage = "wifi"
+        step = "wifi"
         try:
             if not self._wifi_up(now):
                 return False  # still joining: readings go on meanwhile
-            stage = "mqtt"
+            step = "mqtt"
             # umqtt opens its socket itself: make it a Wire (wire.py), so the
             # TCP connect, CONNACK, SUBACK and PUBACK waits all time out
             _umqtt.socket = wire
@@ -396,22 +401,22 @@ class Device:
                 return False
             wire._addr = None
             self.stats["conn_failures"] += 1
-            if stage == "mqtt" and _refused_login(e):
+            if step == "mqtt" and _refused_login(e):
                 self.stats["auth_failures"] += 1
-                delay = self.auth_backoff.next_ms()
-                self._next_try = time.ticks_add(time.ticks_ms(), delay)
+                ms = self.auth_backoff.next_ms()
+                self._next_try = time.ticks_add(time.ticks_ms(), ms)
                 self.log(
                     "mqtt: not authorized (CONNACK " + str(e.args[0]) + ") as user",
                     repr(cfg.user or cfg.device_id),
                     "- check user/password in config.local.json and the gateway's"
                     " `iggy-edge device credentials list`; retry in",
-                    delay,
+                    ms,
                     "ms",
                 )
                 return False
-            delay = self.backoff.next_ms()
-            self._next_try = time.ticks_add(time.ticks_ms(), delay)
-            self.log(stage, "connect failed:", repr(e), "retry in", delay, "ms")
+            ms = self.backoff.next_ms()
+            self._next_try = time.ticks_add(time.ticks_ms(), ms)
+            self.log(step, "connect failed:", repr(e), "retry in", ms, "ms")
             return False
         self._client = c
         self._last_tx = time.ticks_ms()
@@ -499,8 +504,8 @@ class Device:
             self._refill = True
             self._next_try = time.ticks_ms()
             return
-        delay = self.backoff.next_ms()
-        self._next_try = time.ticks_add(time.ticks_ms(), delay)
+        ms = self.backoff.next_ms()
+        self._next_try = time.ticks_add(time.ticks_ms(), ms)
 
     def _new_client(self):
         cfg = self.cfg

@@ -81,10 +81,10 @@ class Receipts:
         now = time.ticks_ms()
         if not ring.hold:
             return True
-        waited = time.ticks_diff(now, self.since)
+        t = time.ticks_diff(now, self.since)
         limit = self.dev.cfg.receipt_timeout_ms
         if not self.go:
-            if waited > limit:
+            if t > limit:
                 self._off("none after connecting")
                 return True
             return False
@@ -92,9 +92,9 @@ class Receipts:
             self.since = now  # the next held reading starts the clock
         elif evicted and self.mode == "waiting":
             self._off("the ring filled before any receipt")
-        elif waited > limit:
+        elif t > limit:
             self._off("none in receipt_timeout_ms")
-        elif waited > limit // 3 and not self.resent:
+        elif t > limit // 3 and not self.resent:
             # the receipt may have been lost (a gateway restart): send the
             # held readings again once; the gateway answers copies too
             self.resent = True
@@ -154,8 +154,8 @@ def release(self, seq, crc=None):
     for a sequence the device has since reset) releases nothing."""
     if not len(self):
         return 0
-    pos = None
-    lead = True
+    got = None
+    first = True
     found = False
     i, off, read = 0, self._off, self._read
     while i < len(self._segs):
@@ -174,26 +174,26 @@ def release(self, seq, crc=None):
                     s = seq_of(line, start)
                     if s is None:
                         # sent: PUBACK covers it
-                        if lead and (i < self._si or (i == self._si and read <= self._sread)):
-                            pos = (i, off, read)
+                        if first and (i < self._si or (i == self._si and read <= self._sread)):
+                            got = (i, off, read)
                     elif (
                         not found
                         and s == seq
                         and (crc is None or crc32 is None or crc32(memoryview(line)[start:-1]) == crc)
                     ):
                         found = True
-                        lead = True
-                        pos = (i, off, read)
+                        first = True
+                        got = (i, off, read)
                     else:
-                        lead = False
+                        first = False
                         if found:
                             break
-        if found and not lead:
+        if found and not first:
             break
         i += 1
         off = read = 0
-    if not found or pos is None:
+    if not found or got is None:
         return 0
-    before = len(self)
-    self._release_to(pos[0], pos[1], pos[2])
-    return before - len(self)
+    n = len(self)
+    self._release_to(got[0], got[1], got[2])
+    return n - len(self)

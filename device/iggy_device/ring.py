@@ -68,12 +68,12 @@ class Ring:
         # off: a sent record leaves at pop() (the broker's PUBACK)
         self.hold = False
         fsutil.makedirs(dir)
-        meta = self._load_meta()
-        head = meta.get("h", 0)
-        self.dropped = meta.get("d", 0)
+        m = self._load_meta()
+        h = m.get("h", 0)
+        self.dropped = m.get("d", 0)
         self.evicted = 0  # held records that had to go before their receipt
-        self._off = meta.get("o", 0)
-        self._read = meta.get("r", 0)
+        self._off = m.get("o", 0)
+        self._read = m.get("r", 0)
         names = []
         for name in os.listdir(dir):
             if name.endswith(".seg"):
@@ -83,20 +83,20 @@ class Ring:
                     pass
         names.sort()
         self._segs = []  # [number, bytes, complete lines]
-        torn = False
+        cut = False
         for n in names:
-            if n < head:
+            if n < h:
                 fsutil.remove(self._path(n))  # finished before a crash
                 continue
-            size, count, torn = self._scan(n)
+            size, count, cut = self._scan(n)
             self._segs.append([n, size, count])
-        if not self._segs or self._segs[0][0] != head:
+        if not self._segs or self._segs[0][0] != h:
             self._off = 0
             self._read = 0
         elif self._read > self._segs[0][2]:
             self._read = self._segs[0][2]
-        self._tail_torn = torn
-        self._next_n = self._segs[-1][0] + 1 if self._segs else head
+        self._tail_torn = cut
+        self._next_n = self._segs[-1][0] + 1 if self._segs else h
         self._reader = None  # open on the send cursor's segment
         self._peeked = 0
         self._peek_seq = None
@@ -142,22 +142,22 @@ class Ring:
         if n > self.segment_bytes:
             raise ValueError("ring: record larger than a segment")
         lost = 0
-        tail = self._segs[-1] if self._segs else None
-        if tail is None or self._tail_torn or tail[1] + n > self.segment_bytes:
+        seg = self._segs[-1] if self._segs else None
+        if seg is None or self._tail_torn or seg[1] + n > self.segment_bytes:
             while len(self._segs) >= self.max_segments:
                 lost += self._drop_head()
-            tail = [self._next_n, 0, 0]
+            seg = [self._next_n, 0, 0]
             self._next_n += 1
-            self._segs.append(tail)
+            self._segs.append(seg)
             self._tail_torn = False
-        with open(self._path(tail[0]), "ab") as f:
+        with open(self._path(seg[0]), "ab") as f:
             f.write(channel.encode())
             f.write(b" ")
             f.write(payload)
             f.write(b"\n")
-        tail[1] += n
-        tail[2] += 1
-        if tail is self._segs[self._si]:
+        seg[1] += n
+        seg[2] += 1
+        if seg is self._segs[self._si]:
             self._close_reader()  # a cached reader may not see the new line
         return lost
 
@@ -244,27 +244,27 @@ class Ring:
     def _head_number(self):
         return self._segs[0][0] if self._segs else self._next_n
 
-    def _release_to(self, si, off, read):
+    def _release_to(self, i, off, read):
         """Move the read (receipt) cursor to (segment index, offset, records
         read).  Records released before the send cursor were held."""
-        if si > self._si or (si == self._si and read >= self._sread):
+        if i > self._si or (i == self._si and read >= self._sread):
             # at or past the send cursor: nothing stays held, send from here
             self._close_reader()
-            self._si, self._soff, self._sread = si, off, read
+            self._si, self._soff, self._sread = i, off, read
             self._peeked = 0
             self._unreceipted = 0
-            held = False
+            hold = False
         else:
-            held = True
+            hold = True
         n = 0
-        while si > 0:
+        while i > 0:
             n += self._segs[0][2] - self._read
             self._finish_head()
-            si -= 1
+            i -= 1
         n += read - self._read
         self._off = off
         self._read = read
-        if held:
+        if hold:
             self._unreceipted -= n
         self._unsaved += n
         while self._segs and self._read >= self._segs[0][2]:
@@ -289,7 +289,7 @@ class Ring:
     def _drop_head(self):
         # Held records (sent, PUBACK, no receipt yet) in the dropped segment
         # are ``evicted``, not ``dropped``: the broker acknowledged them.
-        n, _size, count = self._segs.pop(0)
+        n, _, count = self._segs.pop(0)
         if self._si == 0:
             self._close_reader()
             sent = self._sread - self._read
@@ -321,9 +321,9 @@ class Ring:
                 k = f.readinto(buf)
                 if not k:
                     break
-                chunk = bytes(buf[:k])
-                count += chunk.count(b"\n")
-                last = chunk[k - 1 :]
+                b = bytes(buf[:k])
+                count += b.count(b"\n")
+                last = b[k - 1 :]
                 size += k
         return size, count, last != b"\n"
 
@@ -331,14 +331,14 @@ class Ring:
         raw = fsutil.read(self.dir + "/meta")
         if raw:
             try:
-                meta = json.loads(raw)
-                if isinstance(meta, dict):
-                    return meta
+                m = json.loads(raw)
+                if isinstance(m, dict):
+                    return m
             except ValueError:
                 pass
         return {}
 
     def _save_meta(self):
-        meta = {"h": self._head_number(), "o": self._off, "r": self._read, "d": self.dropped}
-        fsutil.write_atomic(self.dir + "/meta", json.dumps(meta).encode())
+        m = {"h": self._head_number(), "o": self._off, "r": self._read, "d": self.dropped}
+        fsutil.write_atomic(self.dir + "/meta", json.dumps(m).encode())
         self._unsaved = 0

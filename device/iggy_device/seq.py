@@ -14,25 +14,25 @@ class Sequence:
         self.block = block
         raw = fsutil.read(path, b"0")
         try:
-            reserved = int(raw)
+            n = int(raw)
         except ValueError:
             # A corrupt file must not restart the sequence at 0: that would
             # repeat numbers.  There is nothing better to resume from, so the
             # device says so in its diagnostics (``recovered``).
-            reserved = 0
+            n = 0
             self.recovered = True
         else:
             self.recovered = False
-        self._next = reserved
-        self._limit = reserved
+        self._next = n
+        self._limit = n
         self.writes = 0
 
-    def resume(self, next_value):
-        """Continue at ``next_value`` (from RTC memory after deep sleep) when
+    def resume(self, value):
+        """Continue at ``value`` (from RTC memory after deep sleep) when
         it lies inside the last reserved block; returns whether it did."""
-        lo = self._limit - self.block
-        if lo <= next_value <= self._limit:
-            self._next = next_value
+        start = self._limit - self.block
+        if start <= value <= self._limit:
+            self._next = value
             return True
         return False
 

@@ -89,9 +89,9 @@ class Wire:
     def settimeout(self, t):
         pass  # umqtt >= 1.6 sets its own (None: forever); ours stay
 
-    def setblocking(self, flag):
+    def setblocking(self, value):
         self.flush()  # while still blocking-with-timeout: never a short write
-        self._blocking = flag
+        self._blocking = value
 
     def write(self, buf, n=None):
         if isinstance(buf, str):
@@ -133,9 +133,9 @@ class Wire:
         self._pb = self._pb[len(out) :]
         k = n - len(out)
         if k > 0:
-            body = self._big(k) if k > _SIZE and k == self._left else self._recv(k)
+            data = self._big(k) if k > _SIZE and k == self._left else self._recv(k)
             self._left = self._left - k if self._left > k else 0
-            out = out + body if out else body
+            out = out + data if out else data
         return out
 
     def close(self):
@@ -199,24 +199,24 @@ class Wire:
         deadline and feeds the watchdog (a large message on a slow link is
         not a hung one)."""
         out = b""
-        into = drop is not True and drop
-        mv = memoryview(into or self._buf)
-        at = 0
+        b = drop is not True and drop
+        m = memoryview(b or self._buf)
+        i = 0
         while n > 0:
-            rem = time.ticks_diff(self._deadline, time.ticks_ms())
-            if rem <= 0:
+            ms = time.ticks_diff(self._deadline, time.ticks_ms())
+            if ms <= 0:
                 raise OSError(errno.ETIMEDOUT)
             # what is left of the step, rounded up to a quarter of it: a read
             # ends at most timeout_ms / 4 late, and settimeout (a system call)
             # runs at most four times per step instead of at every read
             q = (self._t >> 2) or 1
-            rem = (rem + q - 1) // q * q
-            self._tmo(rem if rem < self._t else self._t)
+            ms = (ms + q - 1) // q * q
+            self._tmo(ms if ms < self._t else self._t)
             try:
-                if into:
-                    got = self._s.readinto(mv[at : at + n])
+                if b:
+                    got = self._s.readinto(m[i : i + n])
                 elif drop:
-                    got = self._s.readinto(mv[: min(n, len(mv))])
+                    got = self._s.readinto(m[: min(n, len(m))])
                 else:
                     data = self._s.read(n)
                     got = len(data) if data is not None else None
@@ -228,7 +228,7 @@ class Wire:
                 raise OSError("mqtt: connection closed by the broker")
             if got:
                 n -= got
-                at += got
+                i += got
                 if drop:
                     self._deadline = time.ticks_add(time.ticks_ms(), self._t)
                     feed()
@@ -239,12 +239,12 @@ class Wire:
     def _frame(self, first):
         global refused
         op = first[0]
-        hdr = first
+        h = first
         size = 0
         sh = 0
         while True:
             b = self._recv(1)
-            hdr += b
+            h += b
             size |= (b[0] & 0x7F) << sh
             if not b[0] & 0x80:
                 break
@@ -254,8 +254,8 @@ class Wire:
         self.frames += 1
         self._dup = op & 0xF8 == 0x38
         if op & 0xF0 == 0x30 and size >= 2:
-            tl = self._recv(2)
-            topic_len = tl[0] << 8 | tl[1]
+            b = self._recv(2)
+            topic_len = b[0] << 8 | b[1]
             qos = op & 6
             payload = size - 4 - topic_len if qos else size - 2 - topic_len
             if payload > max_payload:
@@ -275,7 +275,7 @@ class Wire:
                 self._pb = b"\xd0\x00"  # umqtt gets a PINGRESP instead, which it ignores
                 self._left = 0
                 return
-            hdr += tl
+            h += b
             size -= 2
-        self._pb = hdr
+        self._pb = h
         self._left = size

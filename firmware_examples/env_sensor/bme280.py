@@ -47,15 +47,15 @@ def _tdiv(a, b):
 
 
 class Calibration:
-    def __init__(self, tp, h=None):
-        self.T1 = _u16(tp, 0)
-        self.T2 = _s16(tp, 2)
-        self.T3 = _s16(tp, 4)
-        self.P1 = _u16(tp, 6)
-        self.P = [_s16(tp, 8 + 2 * i) for i in range(8)]  # P2..P9
+    def __init__(self, data, h=None):
+        self.T1 = _u16(data, 0)
+        self.T2 = _s16(data, 2)
+        self.T3 = _s16(data, 4)
+        self.P1 = _u16(data, 6)
+        self.P = [_s16(data, 8 + 2 * i) for i in range(8)]  # P2..P9
         self.has_h = h is not None
         if h is not None:
-            self.H1 = tp[25]
+            self.H1 = data[25]
             self.H2 = _s16(h, 0)
             self.H3 = h[2]
             self.H4 = _s12((h[3] << 4) | (h[4] & 0x0F))
@@ -63,15 +63,15 @@ class Calibration:
             self.H6 = _s8(h[6])
 
     @classmethod
-    def from_values(cls, T, P, H=None):
+    def from_values(cls, t, p, h=None):
         """Calibration from datasheet-style numbers (tests, examples)."""
         self = cls.__new__(cls)
-        self.T1, self.T2, self.T3 = T
-        self.P1 = P[0]
-        self.P = list(P[1:])
-        self.has_h = H is not None
-        if H is not None:
-            self.H1, self.H2, self.H3, self.H4, self.H5, self.H6 = H
+        self.T1, self.T2, self.T3 = t
+        self.P1 = p[0]
+        self.P = list(p[1:])
+        self.has_h = h is not None
+        if h is not None:
+            self.H1, self.H2, self.H3, self.H4, self.H5, self.H6 = h
         return self
 
 
@@ -82,7 +82,7 @@ def compensate(cal, adc_t, adc_p, adc_h=None):
     d = (adc_t >> 4) - cal.T1
     v2 = (((d * d) >> 12) * cal.T3) >> 14
     t_fine = v1 + v2
-    temp = (t_fine * 5 + 128) >> 8
+    t = (t_fine * 5 + 128) >> 8
 
     P2, P3, P4, P5, P6, P7, P8, P9 = cal.P
     v1 = t_fine - 128000
@@ -92,15 +92,15 @@ def compensate(cal, adc_t, adc_p, adc_h=None):
     v1 = ((v1 * v1 * P3) >> 8) + ((v1 * P2) << 12)
     v1 = (((1 << 47) + v1) * cal.P1) >> 33
     if v1 == 0:
-        press = 0
+        p = 0
     else:
         p = 1048576 - adc_p
         p = _tdiv(((p << 31) - v2) * 3125, v1)
         v1 = (P9 * (p >> 13) * (p >> 13)) >> 25
         v2 = (P8 * p) >> 19
-        press = ((p + v1 + v2) >> 8) + (P7 << 4)
+        p = ((p + v1 + v2) >> 8) + (P7 << 4)
 
-    hum = None
+    h = None
     if adc_h is not None and cal.has_h:
         x = t_fine - 76800
         x = ((((adc_h << 14) - (cal.H4 << 20) - (cal.H5 * x)) + 16384) >> 15) * (
@@ -110,8 +110,8 @@ def compensate(cal, adc_t, adc_p, adc_h=None):
         x = x - (((((x >> 15) * (x >> 15)) >> 7) * cal.H1) >> 4)
         x = 0 if x < 0 else x
         x = 419430400 if x > 419430400 else x
-        hum = x >> 12
-    return temp, press, hum
+        h = x >> 12
+    return t, p, h
 
 
 class BME280:
@@ -122,9 +122,9 @@ class BME280:
         if chip not in (CHIP_BME280, CHIP_BMP280):
             raise OSError("no BME280/BMP280 at 0x%02x (chip id 0x%02x)" % (address, chip))
         self.chip = chip
-        tp = i2c.readfrom_mem(address, _REG_CALIB_TP, 26)
+        data = i2c.readfrom_mem(address, _REG_CALIB_TP, 26)
         h = i2c.readfrom_mem(address, _REG_CALIB_H, 7) if chip == CHIP_BME280 else None
-        self.cal = Calibration(tp, h)
+        self.cal = Calibration(data, h)
 
     def read_raw(self):
         a = self.address

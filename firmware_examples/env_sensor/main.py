@@ -9,9 +9,14 @@ import math
 
 from machine import I2C, Pin
 
-import bme280
-from iggy_device.node import Device  # first: compiling node.py from source needs the most heap
+# the library first, bme280 after it: compiled on the board from source,
+# node.py needs the most heap of all, and gets it before anything else is
+# loaded beside it (bench/device_min_heap.py --source: 72k fails otherwise)
+from iggy_device.node import Device
 from iggy_device import hw
+
+# isort: split
+import bme280
 
 
 def find_sensor(app, log):

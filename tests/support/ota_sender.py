@@ -56,7 +56,9 @@ def app_files(version: str, broken: str | None = None, pad: int = 0, mpy: bool =
     stamp = (
         f'APP_V = "{version}"\nprint("IGGY-APP main=" + APP_V + " lib=" + getattr(bme280, "APP_V", "?"))\n'
     )
-    main = main.replace("from iggy_device import hw\n", "from iggy_device import hw\n\n" + stamp, 1)
+    stamped = main.replace("import bme280\n", "import bme280\n\n" + stamp, 1)  # after the last import
+    assert stamped != main, "env_sensor's main.py no longer imports bme280 on a line of its own"
+    main = stamped
     if broken == "syntax":
         main += "\ndef oops(:\n"
     elif broken == "import":
