@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from iggy_edge.config import parse_config
+from iggy_edge.config import Settings, parse_config
 from iggy_edge.downlink.commands import make_command
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.poll import ReturnPoll
@@ -20,7 +20,7 @@ from iggy_edge.inbox_admin import read_offsets
 from iggy_edge.metrics import Metrics
 from iggy_edge.records import Route
 from iggy_edge.store import Incoming, Outbox
-from iggy_edge.uplink.memory import MemoryIggy
+from iggy_edge.uplink.memory import MemoryCommandSource, MemoryIggy
 from iggy_edge.uplink.protocol import UplinkRejected
 
 from tests.support.broker import Broker
@@ -80,14 +80,18 @@ async def test_an_idle_forwarder_reads_nothing_and_a_commit_wakes_it_at_once(tmp
         await box.close()
 
 
-@pytest.mark.unit
-async def test_an_idle_return_poll_round_is_the_poll_alone(tmp_path: Path) -> None:
+async def _return_side(
+    tmp_path: Path, poll_interval_s: float
+) -> tuple[Settings, Metrics, Outbox, Inbox, MemoryIggy, MemoryCommandSource, list[float]]:
+    """A gateway's return-path side on a fresh buffer over `MemoryIggy`: its
+    settings, metrics, outbox (started), inbox, the Iggy stand-in, the command
+    source and the time of each of its polls.  The caller closes inbox and outbox."""
     settings = parse_config(
         {
             "gateway_id": "gw-idle",
             "state_dir": str(tmp_path),
             "iggy": {"kind": "memory"},
-            "downlink": {"poll_interval_s": 0.05},
+            "downlink": {"poll_interval_s": poll_interval_s},
         },
         env={},
     )
@@ -98,7 +102,12 @@ async def test_an_idle_return_poll_round_is_the_poll_alone(tmp_path: Path) -> No
     iggy = MemoryIggy()
     provision(iggy, settings)
     source = iggy.command_source()
-    polls = _counted(source, "poll")
+    return settings, metrics, box, inbox, iggy, source, _counted(source, "poll")
+
+
+@pytest.mark.unit
+async def test_an_idle_return_poll_round_is_the_poll_alone(tmp_path: Path) -> None:
+    settings, metrics, box, inbox, iggy, source, polls = await _return_side(tmp_path, 0.05)
     statements = _counted(inbox._db, "fetchall")  # noqa: SLF001 - every statement the inbox runs
     poll = ReturnPoll(settings, source, inbox, box, metrics)
     task = asyncio.create_task(poll.run())
@@ -148,23 +157,7 @@ async def test_a_failing_offset_mirror_backs_off_instead_of_retrying_every_round
     """The fast cadence after a command runs 20 rounds per interval; a mirror
     the server refuses is tried again after a backoff, not every round, and
     goes through once the server takes it."""
-    settings = parse_config(
-        {
-            "gateway_id": "gw-idle",
-            "state_dir": str(tmp_path),
-            "iggy": {"kind": "memory"},
-            "downlink": {"poll_interval_s": 0.5},
-        },
-        env={},
-    )
-    metrics = Metrics()
-    box = await Outbox.open(settings.buffer_path, settings.buffer, "gw-idle", metrics)
-    box.start()
-    inbox = await Inbox.open(settings.buffer_path, settings)
-    iggy = MemoryIggy()
-    provision(iggy, settings)
-    source = iggy.command_source()
-    polls = _counted(source, "poll")
+    settings, metrics, box, inbox, iggy, source, polls = await _return_side(tmp_path, 0.5)
     tries: list[float] = []
     real_mirror = source.mirror_offset
     refuse = True
