@@ -80,9 +80,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Fake:
     return f
 
 
-def _settings(tmp_path: Path, **iggy: Any) -> Any:
+def _settings(tmp_path: Path, downlink: dict[str, Any] | None = None, **iggy: Any) -> Any:
     base = {"kind": "iggy", "address": "127.0.0.1:8090", "password": "pw", **iggy}
-    return parse_config({"gateway_id": "gw-1", "state_dir": str(tmp_path), "iggy": base}, env={})
+    raw = {"gateway_id": "gw-1", "state_dir": str(tmp_path), "iggy": base, "downlink": downlink or {}}
+    return parse_config(raw, env={})
 
 
 def _rec(seq: int, key: str, topic: str = "telemetry") -> OutboundRecord:
@@ -98,6 +99,9 @@ async def test_the_agent_uplink_and_return_path_share_one_connection(fake: Fake,
     await source.start()
     await source.last_offsets("edge", "commands.gw-1")
     assert len(fake.configs) == 1, "the uplink and the return path logged in once between them"
+    assert fake.configs[0].heartbeat_interval == timedelta(seconds=factory.POLLED_HEARTBEAT_S), (
+        "the return poll's request a second is the heartbeat; the SDK's ping would only add to it"
+    )
     await uplink.close()
     assert fake.logged_out == [], "the return path still uses the connection"
     await source.close()
@@ -119,6 +123,22 @@ async def test_heartbeat_every_30_s_and_a_token_login_instead_of_the_password(
     assert fake.configs[1].heartbeat_interval == timedelta(seconds=120)
     assert "personal_access_token" in repr(fake.configs[1].auto_login)
     assert (1, "login_user") not in fake.calls, "the token logs in on connect; no password login"
+
+
+@pytest.mark.unit
+async def test_the_sdk_pings_at_its_interval_where_no_poll_keeps_the_connection_busy(
+    fake: Fake, tmp_path: Path
+) -> None:
+    for downlink, want in (
+        ({"enabled": False}, 60.0),  # no return path: the idle connection pings a minute
+        ({"poll_interval_s": 90.0}, 60.0),  # a poll rarer than the ping does not replace it
+        ({}, factory.POLLED_HEARTBEAT_S),
+    ):
+        uplink, _ = factory.make_uplink_and_source(_settings(tmp_path, downlink))
+        assert uplink is not None
+        await uplink.start()
+        assert fake.configs[-1].heartbeat_interval == timedelta(seconds=want), downlink
+        await uplink.close()
 
 
 @pytest.mark.unit

@@ -130,7 +130,8 @@ class IggySettings(_Model):
     # one request at a time per connection).  Partitions beyond share them.
     uplink_connections: Annotated[int, Field(ge=1, le=64)] = 16
     # The SDK pings the server this often on every connection (each ping is a
-    # request); any request also counts as liveness for the server.
+    # request); any request also counts as liveness for the server, so the
+    # connection the return poll uses pings once an hour (uplink/factory.py).
     heartbeat_interval_s: Annotated[float, Field(ge=1, le=3600)] = 60.0
     # The first connect of the agent waits a random 0..start_jitter_s, so a
     # fleet starting together (power returning to a site, a rollout) does not

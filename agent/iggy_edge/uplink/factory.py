@@ -27,8 +27,17 @@ not use it, and the in-memory Iggy out of every real agent.
 
 from __future__ import annotations
 
+from typing import Final
+
 from ..config import Settings
 from .protocol import CommandSource, Uplink
+
+# The SDK's ping interval on the connection the return poll shares: the poll
+# is a request every ``downlink.poll_interval_s``, which the server counts as
+# liveness and which keeps NATs' and firewalls' state, so a ping would only
+# add to the one request a second a gateway makes at rest (issue 23).  Not
+# off altogether: the SDK has no "never", and an hour costs nothing.
+POLLED_HEARTBEAT_S: Final = 3600.0
 
 
 def consumer_name(settings: Settings) -> str:
@@ -83,7 +92,13 @@ def make_uplink_and_source(settings: Settings) -> tuple[Uplink | None, CommandSo
     from .iggy import IggyCommandSource, IggyUplink  # noqa: PLC0415 - only the chosen kind (docstring)
     from .iggy.connection import Connection  # noqa: PLC0415 - only the chosen kind (docstring)
 
-    conn = Connection(iggy, "gateway", start_jitter=iggy.start_jitter_s)
+    polled = settings.downlink.enabled and settings.downlink.poll_interval_s < iggy.heartbeat_interval_s
+    conn = Connection(
+        iggy,
+        "gateway",
+        start_jitter=iggy.start_jitter_s,
+        heartbeat_s=max(POLLED_HEARTBEAT_S, iggy.heartbeat_interval_s) if polled else None,
+    )
     topics = [(r.stream, r.topic) for r in settings.routes]
     uplink = IggyUplink(iggy, settings.gateway_id, topics=topics, connection=conn)
     if not settings.downlink.enabled:

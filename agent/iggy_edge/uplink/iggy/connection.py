@@ -53,9 +53,12 @@ What a connection costs the server (issue 23, docs/scaling.md)
       task whatever else the connection carries; the server counts any
       request as liveness and evicts a silent client only if it is in a
       consumer group, which ours never are).  60 s instead of the SDK's
-      5 s: the return poll already makes a request a second; a ping a
-      minute keeps an idle connection (return path off) known to NATs and
-      firewalls.
+      5 s: a ping a minute keeps an idle connection (return path off) known
+      to NATs and firewalls.  On the agent's shared connection the return
+      poll makes a request every ``poll_interval_s`` anyway, so there the
+      SDK pings only once an hour (``heartbeat_s``, `POLLED_HEARTBEAT_S`,
+      uplink/factory.py): at rest a gateway's one request a second is its
+      poll, nothing else (the fleet's ``requests_at_rest_per_gateway``).
     * One connection can carry several callers at once: the SDK takes the
       socket for one request and its answer at a time (lockstep), so
       concurrent calls queue in order instead of interleaving.  The agent
@@ -139,8 +142,12 @@ class Connection:
         client_factory: ClientFactory | None = None,
         *,
         start_jitter: float = 0.0,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.settings = settings
+        # The SDK's ping interval: ``heartbeat_interval_s`` unless the owner
+        # knows the connection is never idle that long (module docstring).
+        self.heartbeat_s = settings.heartbeat_interval_s if heartbeat_s is None else heartbeat_s
         self.role = role
         self._factory: ClientFactory = client_factory or IggyClient
         self._client: IggyClient | None = None
@@ -177,7 +184,7 @@ class Connection:
                 if s.token is not None
                 else AutoLogin.disabled()
             ),
-            heartbeat_interval=timedelta(seconds=s.heartbeat_interval_s),
+            heartbeat_interval=timedelta(seconds=self.heartbeat_s),
             # No SDK reconnection at all: a lost connection fails the request
             # at once ("Disconnected") and we build a fresh client on the next
             # call.  Checked against server 0.9.0-edge.5: even with
