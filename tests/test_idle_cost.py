@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from iggy_edge.config import Settings, parse_config
 from iggy_edge.downlink.commands import make_command
+from iggy_edge.downlink.deliver import Deliverer
 from iggy_edge.downlink.inbox import Inbox
 from iggy_edge.downlink.poll import ReturnPoll
 from iggy_edge.forward import Forwarder
@@ -184,6 +185,63 @@ async def test_a_failing_offset_mirror_backs_off_instead_of_retrying_every_round
             lambda: [o[4] for o in read_offsets(settings.buffer_path)] == [0], timeout=10, what="mirrored"
         )
         assert metrics.value("iggy_edge_downlink_errors_total", kind="mirror") == len(tries) - 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await inbox.close()
+        await box.close()
+
+
+async def test_an_idle_deliverer_asks_sqlite_nothing_and_a_stored_command_wakes_it(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """Connected and with nothing due, the deliverer ran five statements a
+    second (due configs, due commands, due restores, the gauge, and the expiry
+    sweep, a write).  Now one look says nothing waits, and until a write only
+    SQLite's data_version is read, once a second; the command the poll stores
+    and wakes it for still goes out at once, and one that expires while the
+    broker is away is swept."""
+    settings = downlink_settings(tmp_path, broker, downlink={"default_ttl_s": 1})
+    metrics = Metrics()
+    box = await Outbox.open(settings.buffer_path, settings.buffer, settings.gateway_id, metrics)
+    inbox = await Inbox.open(settings.buffer_path, settings)
+    reads = _counted(inbox._db, "fetchall")  # noqa: SLF001 - every read the inbox runs
+    writes: list[float] = []
+    real_write = inbox._db.write  # noqa: SLF001
+
+    def counting_write() -> Any:
+        writes.append(time.monotonic())
+        return real_write()
+
+    inbox._db.write = counting_write  # type: ignore[method-assign]  # noqa: SLF001
+    deliverer = Deliverer(settings, inbox, metrics)
+    task = asyncio.create_task(deliverer.run())
+    try:
+        async with device(broker) as dev:
+            await async_wait_until(lambda: deliverer.connected_since is not None, what="connected")
+            await asyncio.sleep(0.5)  # its first look is behind it
+            before = (len(reads), len(writes))
+            await asyncio.sleep(2.2)
+            assert len(writes) == before[1], "an idle deliverer wrote"
+            assert len(reads) - before[0] <= 3, "more than its one look a second"
+            cmd = make_command("dev-1", "go", {})
+            await inbox.store_polled("edge-rp-0", "return", 0, 0, [(cmd, "return/0@0")])
+            t0 = time.monotonic()
+            deliverer.wake()
+            await async_wait_until(lambda: dev.ids() == [cmd.id], timeout=5, what="delivered")
+            assert time.monotonic() - t0 < 0.5, "woken by the store, not by a timer"
+            assert states(settings) == {cmd.id: "delivered"}
+        broker.stop()  # disconnected, it sweeps for expired commands every second: none while none wait
+        await async_wait_until(lambda: deliverer.connected_since is None, timeout=10, what="disconnected")
+        await asyncio.sleep(1.2)  # its first sweep looks once
+        before = (len(reads), len(writes))
+        await asyncio.sleep(2.2)
+        assert len(writes) == before[1], "a disconnected idle deliverer wrote"
+        assert len(reads) - before[0] <= 3, "more than its one look a second"
+        late = make_command("dev-1", "late", {}, ttl_s=1)
+        await inbox.store_polled("edge-rp-0", "return", 0, 1, [(late, "return/0@1")])
+        deliverer.wake()
+        await async_wait_until(lambda: states(settings).get(late.id) == "expired", timeout=5, what="swept")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

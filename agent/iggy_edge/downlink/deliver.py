@@ -206,6 +206,11 @@ class Deliverer:
             if self._lost.is_set():
                 raise BrokerLost("connection lost")
             self._wakeup.clear()
+            if await self._inbox.nothing_due():  # at rest: one cheap look a second
+                self._metrics.inbox_records.set(0)
+                with contextlib.suppress(TimeoutError):  # the poll's store wakes it at once
+                    await wait_for(wait_first(self._wakeup, self._lost), SWEEP_INTERVAL_S)
+                continue
             configs = await self._inbox.due_configs(window)
             if configs:
                 await self._publish_configs(client, tracker, configs)
@@ -430,7 +435,10 @@ class Deliverer:
         await self._refresh_gauge()
 
     async def _sweep_expired(self) -> None:
-        """Expire waiting commands whose time is up (also while disconnected)."""
+        """Expire waiting commands whose time is up (also while disconnected);
+        no statement when none can wait, no write when none waits."""
+        if self._inbox.no_command_waits or await self._inbox.nothing_due():
+            return
         expired = await self._inbox.expire_due()
         if expired:
             self._metrics.commands.labels(CommandState.EXPIRED.value).inc(expired)

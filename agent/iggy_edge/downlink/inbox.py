@@ -56,6 +56,16 @@ TERMINAL: Final = tuple(
     s.value for s in (CommandState.ACKED, CommandState.EXPIRED, CommandState.FAILED, CommandState.DELIVERED)
 )
 
+# Whether any row waits for the deliverer (`Inbox.nothing_due`), with the
+# file's data_version in the same statement: the commands' EXISTS stops in
+# their state index, the configs are one row a device.
+_NOTHING_DUE: Final = (
+    "SELECT (SELECT data_version FROM pragma_data_version),"
+    " EXISTS(SELECT 1 FROM downlink_commands WHERE state = ?)"
+    " OR EXISTS(SELECT 1 FROM downlink_config WHERE state IN (?, ?))"
+)
+_DATA_VERSION: Final = "PRAGMA data_version"
+
 
 @dataclass(frozen=True, slots=True)
 class PendingCommand:
@@ -124,6 +134,9 @@ class Inbox:
         self._conn = db.conn
         self._settings = settings
         self._waiting_bound: int | None = None  # `waiting_at_most`
+        self._writes = 0  # transactions begun (`nothing_due`)
+        self._quiet = False  # `nothing_due`: known that nothing waits, no write since
+        self._quiet_version = -1  # the file's data_version when that was known
 
     @classmethod
     async def open(cls, path: Path, settings: Settings) -> Inbox:
@@ -145,7 +158,10 @@ class Inbox:
         await self._db.close()
 
     def _transaction(self) -> contextlib.AbstractAsyncContextManager[aiosqlite.Connection]:
-        """The inbox's lock and one transaction (store/db.py)."""
+        """The inbox's lock and one transaction (store/db.py).  Any write may
+        give the deliverer work, so it ends what `nothing_due` knew."""
+        self._writes += 1
+        self._quiet = False
         return self._db.write()
 
     async def _fetchall(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
@@ -300,6 +316,42 @@ class Inbox:
         if self._waiting_bound is None or self._waiting_bound >= exact_from:
             return await self.waiting()
         return self._waiting_bound
+
+    @property
+    def no_command_waits(self) -> bool:
+        """Known without a query that no command waits: `nothing_due` found
+        none and nothing of this process wrote since (only this process adds
+        commands; the CLI marks configs)."""
+        return self._quiet
+
+    async def nothing_due(self) -> bool:
+        """True when no command or config waits for delivery (none received,
+        none to publish again), known from the last look while nothing wrote
+        since: then the one statement is SQLite's ``data_version``, which
+        changes when another connection commits (the CLI's `config
+        republish` marks rows from its own process; the outbox's commits
+        bump it too, and then the look runs again).  Each write of this
+        process goes through `_transaction`, which ends what the look knew.
+        (The idle deliverer ran five statements a second, one of them a
+        write, issue 23.)"""
+        if self._quiet:
+            rows = await self._fetchall(_DATA_VERSION)
+            if rows[0][0] == self._quiet_version:
+                return True
+            self._quiet = False
+        writes = self._writes
+        rows = await self._fetchall(_NOTHING_DUE, (RECEIVED, RECEIVED, REPUBLISH))
+        version, due = rows[0]
+        if due:
+            return False
+        # A write begun meanwhile may have queued for the lock after this
+        # look: what it adds is not in the answer, so do not remember it.
+        # (One begun before is ahead of the look in the lock's queue.)
+        self._quiet = writes == self._writes
+        self._quiet_version = version
+        if self._quiet:
+            self._waiting_bound = 0
+        return True
 
     async def due_commands(self, limit: int) -> list[PendingCommand]:
         rows = await self._fetchall(
