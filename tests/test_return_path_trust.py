@@ -28,7 +28,8 @@ from iggy_edge.downlink.commands import (
     read_command,
 )
 from iggy_edge.downlink.component import ACK_WRONG_DEVICE
-from iggy_edge.downlink.inbox import Inbox, RowRefused
+from iggy_edge.downlink.inbox import Inbox
+from iggy_edge.downlink.inbox_rows import RowRefused
 from iggy_edge.downlink.poll import TOO_MANY_CONFIG_DEVICES
 from iggy_edge.inbox_admin import read_commands, read_configs
 from iggy_edge.provision.credentials import CredentialsError, check_device_id

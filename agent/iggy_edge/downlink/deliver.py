@@ -78,7 +78,8 @@ from ..mqtt_codec import REFUSED
 from ..mqttconn import close, connect, keep_session, set_credentials, wait_first
 from ..timeouts import wait_for
 from .commands import CommandState, deliver_client_id
-from .inbox import Inbox, PendingCommand, PendingConfig
+from .inbox import Inbox
+from .inbox_rows import PendingCommand, PendingConfig
 from .inbox_schema import REPUBLISH
 from .inflight import POISON_STRIKES, BrokerLost, PubackTracker, Suspects
 

@@ -66,7 +66,8 @@ from .commands import (
     read_config,
     return_topic,
 )
-from .inbox import Inbox, RowRefused, StoredBatch
+from .inbox import Inbox
+from .inbox_rows import RowRefused, StoredBatch
 from .legacy import DRAINED_NOTE, Partition, find_legacy
 from .mirror import OffsetMirror
 
