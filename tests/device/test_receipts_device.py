@@ -165,10 +165,13 @@ async def test_fleet_with_receipts_loses_nothing_through_ten_broker_crashes(tmp_
         assert done["evicted"] == 0, done
         assert done["receipt_mode"] == "on", done
         assert done["receipt_fallbacks"] == 0, done
-    # the crashes hit every device: each reconnected at least twice (how many
-    # of the 10 crashes a device sees depends on its backoff and the load:
-    # 24 connects in all were seen once under load, 25+ usually)
-    assert all(d["connects"] >= 3 for d in r["done"]), [d["connects"] for d in r["done"]]
+    # the crashes hit every device: each reconnected at least once, and the
+    # fleet saw most of the 10.  How many a device sees depends on its backoff
+    # and the load: under CI's load one device connected only twice
+    # ([2, 5, 8, 11, 11]), as a device backing off sleeps through restarts.
+    connects = [d["connects"] for d in r["done"]]
+    assert all(c >= 2 for c in connects), connects
+    assert sum(c - 1 for c in connects) >= 10, connects
 
 
 async def test_fleet_without_receipts_loses_readings_in_the_same_crashes(tmp_path: Path) -> None:
