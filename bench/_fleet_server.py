@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from iggy_edge.cloud.provision import provision_gateway
+from iggy_edge.cloud.provision import Provisioned, provision_gateway, provision_gateways
 from iggy_edge.config import IggySettings, parse_config
 from iggy_edge.downlink.commands import make_command, return_topic_of
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyProbe
@@ -77,33 +77,46 @@ def gateway_settings(gateway: str, iggy: IggySettings | None = None) -> Any:
 
 
 async def provision(
-    admin: IggySettings, gateways: Sequence[str], *, tokens: bool, at_once: int = 4
+    admin: IggySettings, gateways: Sequence[str], *, tokens: bool, at_once: int = 4, passes: bool = True
 ) -> dict[str, dict[str, str]]:
-    """Every gateway provisioned as the cloud side does it (`provision_gateway`:
-    the shared route topics, the gateway's return-path topic, its user
-    allowed only those, and with `tokens` its personal access token),
-    `at_once` at a time.  The gateways' credentials: {gateway: {"username",
-    "token" or "password"}}."""
+    """Every gateway provisioned as the cloud side does it: the shared route
+    topics, the gateway's return-path topic, its user allowed only those, and
+    with `tokens` its personal access token.  With `passes` (the default) in
+    one `provision_gateways` call, all topics, then all users, then all
+    tokens, on one admin connection; without, `provision_gateway` for one
+    gateway after another, `at_once` at a time (what running
+    `iggy-edge cloud provision-gateway` once per gateway does to the server:
+    docs/scaling.md, "Provisioning").  The gateways' credentials:
+    {gateway: {"username", "token" or "password"}}."""
+    creds: dict[str, dict[str, str]] = {}
+
+    def keep(done: Provisioned) -> None:
+        assert done.password is not None
+        secret = {"token": done.token} if done.token is not None else {"password": done.password}
+        creds[done.gateway_id] = {"username": done.username, **secret}
+
+    if passes:
+        conn = Connection(admin, "provisioning")
+        try:
+            for done in await provision_gateways(
+                gateway_settings(gateways[0], admin), gateways, tokens=tokens, connection=conn
+            ):
+                keep(done)
+        finally:
+            await conn.close()
+        return creds
     todo: asyncio.Queue[str] = asyncio.Queue()
     for gw in gateways:
         todo.put_nowait(gw)
-    creds: dict[str, dict[str, str]] = {}
 
     async def work() -> None:
         conn = Connection(admin, "provisioning")  # one admin login per worker, not per gateway
         try:
             while not todo.empty():
-                await one(conn, todo.get_nowait())
+                gw = todo.get_nowait()
+                keep(await provision_gateway(gateway_settings(gw, admin), gw, tokens=tokens, connection=conn))
         finally:
             await conn.close()
-
-    async def one(conn: Connection, gw: str) -> None:
-        done = await provision_gateway(gateway_settings(gw, admin), gw, tokens=tokens, connection=conn)
-        assert done.password is not None
-        if done.token is not None:
-            creds[gw] = {"username": done.username, "token": done.token}
-        else:
-            creds[gw] = {"username": done.username, "password": done.password}
 
     await asyncio.gather(*(work() for _ in range(at_once)))
     return creds

@@ -12,13 +12,16 @@ machine shows).
 Phases and figures (one JSON line each, ``emit``):
 
 provision  every gateway provisioned as the cloud side does it
-        (`provision_gateway`: its return-path topic, its user, and with
-        ``--login token`` its personal access token), ``--provision-at-once``
-        at a time, the admin dialing the leader; ``provision_s`` and the
-        nodes' RSS after it.  Then (``--restart``, the default) the cluster
-        is restarted on its data: provisioning's Argon2 hashing swells the
-        nodes' heaps (docs/scaling.md), and the figures below are to be
-        what the gateways cost.
+        (``--provision passes``, the default: `provision_gateways`, all
+        return-path topics, then all users, then with ``--login token``
+        all personal access tokens; ``--provision each``: `provision_gateway`
+        for one gateway after another, ``--provision-at-once`` at a time),
+        the admin dialing the leader; ``provision_s`` and the nodes' RSS
+        after it.  With ``--restart`` the cluster is then restarted on its
+        data (it sheds what ``--provision each`` leaves on the leader, and it
+        shows what a cluster restart does to the figures below: some
+        partitions' primaries end up away from the node the clients use,
+        docs/scaling.md, run E).
 setup   every gateway starts at the same instant (``--start-jitter``: the
         agent's own first-connect jitter, `iggy.start_jitter_s`), each with
         one record in its outbox.  ``ready_s``: from that instant to every
@@ -236,7 +239,13 @@ def run_fleet(
     # personal access token with --login token).
     t0 = time.perf_counter()
     creds = asyncio.run(
-        provision(admin, gateway_ids(n), tokens=args.login == "token", at_once=args.provision_at_once)
+        provision(
+            admin,
+            gateway_ids(n),
+            tokens=args.login == "token",
+            at_once=args.provision_at_once,
+            passes=args.provision == "passes",
+        )
     )
     emit(
         BENCH,
@@ -257,10 +266,9 @@ def run_fleet(
         per_node=[round(x, 1) for x in rss],
     )
     if restart is not None:
-        # Provisioning's Argon2 work (a password hashed per user, a login per
-        # token) swells the nodes' heaps (docs/scaling.md); a cluster is
-        # provisioned over its life and restarted now and then.  Restarted
-        # here on its data, the figures below are what the gateways cost.
+        # A cluster restart on its data (--restart): it sheds what
+        # provisioning one gateway at a time leaves on the leader, and it
+        # moves some partitions' primaries (docs/scaling.md, run E).
         t0 = time.perf_counter()
         pids[:] = restart()
         emit(
@@ -529,24 +537,27 @@ def main() -> None:
     ap.add_argument("--commands", type=int, default=60)
     ap.add_argument("--command-every", type=float, default=0.5)
     ap.add_argument("--command-wait", type=float, default=10.0)
-    ap.add_argument("--provision-at-once", type=int, default=4, help="gateways provisioned at a time")
+    ap.add_argument(
+        "--provision",
+        choices=["passes", "each"],
+        default="passes",
+        help="passes: all topics, then all users, then all tokens (provision_gateways); "
+        "each: one gateway after another, --provision-at-once at a time",
+    )
+    ap.add_argument(
+        "--provision-at-once", type=int, default=4, help="with --provision each: gateways at a time"
+    )
     ap.add_argument(
         "--restart",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="restart the cluster on its data after provisioning (default: yes, but not with --quick)",
+        default=False,
+        help="restart the cluster on its data after provisioning (default: no; docs/scaling.md, run E)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the servers' and gateways' files and logs")
     ap.add_argument("--quick", action="store_true", help="20 gateways, short phases (a smoke run)")
     args = ap.parse_args()
     if args.quick:
         args.gateways, args.procs, args.settle, args.rest, args.commands = 20, 2, 4.0, 10.0, 10
-    if args.restart is None:
-        # the restart sheds provisioning's Argon2 heap, which matters at
-        # hundreds of gateways, not at a smoke run's 20; and iggy-server
-        # 0.9.0-edge.5 now and then refuses to boot on its metadata journal
-        # after a clean stop (docs/scaling.md), which a smoke run is not for
-        args.restart = not args.quick
     stop_on_signals()
     emit_machine(BENCH)
     if iggy_server_binary() is None:
