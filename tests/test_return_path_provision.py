@@ -20,8 +20,9 @@ from iggy_edge.downlink.commands import make_command, return_topic_of, stream_sh
 from iggy_edge.runtime import build_agent
 from iggy_edge.uplink.iggy import IggyCommandSink, IggyCommandSource, IggyUplink
 from iggy_edge.uplink.iggy.connection import Connection
-from iggy_edge.uplink.iggy.topics import create_topic
+from iggy_edge.uplink.iggy.topics import create_topic, get_topic
 from iggy_edge.uplink.protocol import UplinkError, UplinkRejected
+from pydantic import SecretStr
 
 from tests.support.agent import wait_subscribed
 from tests.support.broker import Broker
@@ -275,6 +276,80 @@ async def test_the_agent_runs_end_to_end_with_its_provisioned_credential(
         await root.close()
         agent.stop()
         await asyncio.wait_for(task, 20)
+
+
+async def test_a_fleet_is_provisioned_in_one_run_each_gateway_with_its_own_token(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    """`provision-gateway` with several gateways (-g and --gateways-file,
+    a duplicate and a comment in it) writes one credentials file each to
+    --out-dir; each file's token reads its own gateway's topic only."""
+    admin_conf = config_file(tmp_path / "cloud.toml", "cloud", tmp_path / "cs", broker, iggy_server, "")
+    admin_env = {"IGGY_USERNAME": iggy_server.username, "IGGY_PASSWORD": iggy_server.password}
+    listed = tmp_path / "fleet.txt"
+    listed.write_text("# site 4\ngw-f2\n\ngw-f3\ngw-f1\n")
+    out_dir = tmp_path / "creds"
+    code, out, err = await cli(
+        "cloud", "provision-gateway", "-c", str(admin_conf), "-g", "gw-f1",
+        "--gateways-file", str(listed), "--out-dir", str(out_dir), "--json", env=admin_env,
+    )  # fmt: skip
+    assert code == 0, err
+    shown = [json.loads(line) for line in out.splitlines()]
+    assert [s["gateway"] for s in shown] == ["gw-f1", "gw-f2", "gw-f3"]
+    assert all("password" not in s and s["created_user"] for s in shown)
+    files = {gw: out_dir / f"{gw}.toml" for gw in ("gw-f1", "gw-f2", "gw-f3")}
+    assert [s["credentials_file"] for s in shown] == [str(f) for f in files.values()]
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files.values())
+
+    admin = admin_settings(tmp_path, iggy_server)
+    cmd = make_command("dev-1", "blink")
+    topics = {gw: return_topic_of(gw, admin.downlink) for gw in files}
+    admin_sink = IggyCommandSink(admin.iggy)
+    for rt in topics.values():
+        await admin_sink.publish(rt.stream, rt.topic, 0, cmd.wire(), cmd.headers())
+    await admin_sink.close()
+    for gw, path in files.items():
+        written = tomllib.loads(path.read_text())["iggy"]
+        assert set(written) == {"username", "token"}
+        creds = {"username": written["username"], "token": SecretStr(written["token"])}
+        source = IggyCommandSource(admin.iggy.model_copy(update=creds), gw, f"iggy-edge-{gw}")
+        try:
+            own = topics[gw]
+            assert [m.headers["kind"] for m in await source.poll(own.stream, own.topic, 0, 0, 10)] == [
+                "command"
+            ]
+            for other in (rt for g, rt in topics.items() if g != gw):
+                assert "Unauthorized" in await refused(source.poll(other.stream, other.topic, 0, 0, 10))
+        finally:
+            await source.close()
+
+
+async def test_a_bad_id_in_the_fleet_list_stops_the_run_before_anything_is_made(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    admin_conf = config_file(tmp_path / "cloud.toml", "cloud", tmp_path / "cs", broker, iggy_server, "")
+    admin_env = {"IGGY_USERNAME": iggy_server.username, "IGGY_PASSWORD": iggy_server.password}
+    listed = tmp_path / "fleet.txt"
+    listed.write_text("gw-ok\ngw/bad\n")
+    code, _, err = await cli(
+        "cloud", "provision-gateway", "-c", str(admin_conf), "--gateways-file", str(listed),
+        "--out-dir", str(tmp_path / "creds"), env=admin_env,
+    )  # fmt: skip
+    assert code == 2, err
+    assert "gw/bad" in err
+    admin = admin_settings(tmp_path, iggy_server)
+    rt = return_topic_of("gw-ok", admin.downlink)
+    conn = Connection(admin.iggy, "test")
+    try:
+        assert await get_topic(conn, await conn.client(), rt.stream, rt.topic) is None
+    finally:
+        await conn.close()
+    code, _, err = await cli(
+        "cloud", "provision-gateway", "-c", str(admin_conf), "-g", "gw-a", "-g", "gw-b",
+        "--out", str(tmp_path / "one.toml"), env=admin_env,
+    )  # fmt: skip
+    assert code == 2, err
+    assert "--out-dir" in err
 
 
 def test_doctor_takes_a_provisioned_gateway_user_for_what_it_is(
