@@ -24,7 +24,12 @@ of the next wait looked "reachable all along", and the stage sat out its
 whole backoff, grown to tens of seconds by the outage (a 30 s cap).  The
 stage forgets `Link.down` on its next success.
 
-Used by the forwarder (uplink) and the return poll (command source).
+Used by the forwarder (uplink) and the return poll (command source), each of
+which also starts its backoff afresh when a wait is cut short: the outage
+that grew it is over, and a failure right after the link returned (a server
+slow to answer the first login while a fleet reconnects, a request that
+times out) is a new one, retried after the initial delay, not after the
+outage's 30 s.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@
   at start, is an error naming the provisioning command, retried.
 * Iggy down: polls fail (bounded), are counted and retried with backoff spent
   probing (`probe.py`: what the probes saw carries from one wait to the
-  next); delivery from the inbox goes on.
+  next, and the backoff starts afresh when they find Iggy back); delivery
+  from the inbox goes on.
 
 Cadence: a poll of one partition is the cheapest look there is, so it just
 polls (board updates ride along: no request of their own).  Quiet, every
@@ -140,7 +141,7 @@ class ReturnPoll:
         log.info(
             "return poll: resuming %s/%s at %d", self.main.stream, self.main.topic, self._last[self.main] + 1
         )
-        failures = 0
+        failures = 0  # since the last good round or since a probe found Iggy back
         link = Link()
         started = False
         while True:
@@ -168,6 +169,7 @@ class ReturnPoll:
                     delay,
                 )
                 if await backoff_wait(self._source, delay, link=link):
+                    failures = 0
                     log.info("return poll: the probe reaches Iggy again; polling now")
                 continue
             failures = 0
