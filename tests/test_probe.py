@@ -10,7 +10,7 @@ import time
 
 import pytest
 from iggy_edge import probe
-from iggy_edge.probe import backoff_wait
+from iggy_edge.probe import Link, backoff_wait
 
 # wall-clock bounds: one after another on one xdist worker
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("timing")]
@@ -48,6 +48,26 @@ async def test_a_link_back_later_ends_the_wait_within_a_probe_interval() -> None
     remote = Remote(up_at=started + 0.6)
     assert await backoff_wait(remote, 5.0) is True
     assert 0.6 <= time.monotonic() - started < 1.2
+
+
+async def test_a_link_back_before_the_next_wait_begins_ends_that_wait() -> None:
+    """An earlier wait's probes saw the server down; the stage's attempt then
+    failed (still down) and the link returned before the next wait's first
+    probe.  That wait must end at once, not run its course as if the server
+    had been reachable all along (it did: a 16 s backoff after a 12 s cut)."""
+    link = Link()
+    remote = Remote(up_at=float("inf"))
+    assert await backoff_wait(remote, 0.3, link=link) is False  # ran its course: down all along
+    assert link.down
+    remote.up_at = 0.0  # back between the failed attempt and the next wait
+    started = time.monotonic()
+    assert await backoff_wait(remote, 5.0, link=link) is True
+    assert time.monotonic() - started < 0.5
+    assert not link.down
+    # Back and then failing (a refused login): the next wait runs its course.
+    started = time.monotonic()
+    assert await backoff_wait(remote, 0.5, link=link) is False
+    assert time.monotonic() - started >= 0.5
 
 
 async def test_a_failure_while_reachable_waits_out_the_backoff() -> None:

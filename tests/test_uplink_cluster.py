@@ -326,6 +326,88 @@ async def test_forwarding_resumes_within_seconds_of_a_long_cut(
     check_delivery(acked, stored)
 
 
+def forward_errors(agent: Agent) -> float:
+    return sum(
+        agent.metrics.value("iggy_edge_forward_errors_total", kind=k)
+        for k in ("ambiguous", "rejected", "unavailable")
+    )
+
+
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
+@pytest.mark.iggy
+async def test_a_failure_right_after_a_long_cut_heals_is_retried_within_seconds(
+    tmp_path: Path, broker: Broker, iggy_server: IggyServer
+) -> None:
+    """The link returns after a 12 s cut (production backoff: it has grown to
+    16-30 s), but the server does not answer the first login in time (SIGSTOP
+    here; a loaded machine or a fleet logging in at once elsewhere).  That
+    failure comes with the server reachable, so no probe cuts the wait after
+    it: with the outage's backoff the uplink stayed down up to 30 s after the
+    server answered again (19.4 s in one run).  The link's return ends the
+    outage, so the backoff starts again from backoff_initial_s.  (The old
+    code passed this only when its 0-16 or 0-30 s draw happened to be short;
+    it failed with 17.2 and 22.9 s.)"""
+    proxy = await TcpProxy("127.0.0.1", iggy_server.port).start()
+    settings = agent_settings(
+        tmp_path,
+        broker,
+        [proxy.address],
+        iggy_server,
+        forward={"linger_ms": 5, "backoff_initial_s": 0.5, "backoff_max_s": 30.0},
+    )
+    settings = settings.model_copy(
+        update={"iggy": settings.iggy.model_copy(update={"connect_timeout_s": 1.0, "request_timeout_s": 1.0})}
+    )
+    agent = build_agent(settings)
+    task = asyncio.create_task(agent.run())
+    pub = await Publisher(broker.host, broker.port, "pub-cut-slow").connect()
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 15)
+        await wait_subscribed(agent)
+        n = 0
+
+        async def publish(count: int) -> None:
+            nonlocal n
+            for _ in range(count):
+                await pub.publish(
+                    "edge/dev-1/up/t", json.dumps({"dev": "dev-1", "n": n}).encode(), tag=("dev-1", n)
+                )
+                n += 1
+
+        await publish(10)
+        await wait_forwarded(agent, 10, 30)
+        await proxy.cut()
+        cut_at = time.monotonic()
+        while time.monotonic() - cut_at < 12.0:
+            await publish(5)
+            await asyncio.sleep(0.5)
+        await pub.wait_all_acked(30)
+        assert agent.forwarder is not None
+        errors = forward_errors(agent)
+        iggy_server.pause()
+        try:
+            await proxy.restore()
+            await async_wait_until(
+                lambda: forward_errors(agent) > errors, 15, what="the first attempt after the heal failing"
+            )
+        finally:
+            iggy_server.resume()
+        answering_at = time.monotonic()
+        await asyncio.wait_for(agent.forwarder.up.wait(), 40)
+        resumed = time.monotonic() - answering_at
+        print(f"\nthe first attempt after the heal failed; forwarding resumed {resumed:.2f} s later")
+        assert resumed < 4.0, f"resumed {resumed:.1f}s after the server answered again"
+        await wait_forwarded(agent, n, 30)
+        acked = list(pub.acked)
+    finally:
+        await pub.close()
+        agent.stop()
+        await asyncio.wait_for(task, 20)
+        await proxy.stop()
+    stored = await read_all(iggy_settings([iggy_server.address], iggy_server.username, iggy_server.password))
+    check_delivery(acked, stored)
+
+
 # -- a real 3-node cluster -------------------------------------------------------------
 
 DEVICES = ("dev-a", "dev-b", "dev-c")

@@ -39,7 +39,10 @@ Recovery probe (`probe.py`): the backoff grows to `backoff_max_s` (30 s), so
 after a long outage the next attempt could come up to 30 s after the link
 returned; an uplink that can tell whether its server is reachable (a bare
 TCP connect to each known Iggy node) is probed every 0.5-1 s meanwhile, and
-the batch is retried as soon as the server is back.
+the batch is retried as soon as the server is back -- also when it came back
+between the failed attempt and the next wait's first probe (`Link`).  The
+link's return ends the outage that grew the backoff: a failure right after
+it is retried after ``backoff_initial_s``, not after the outage's delay.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from .backoff import backoff_delay
 from .config import ForwardSettings
 from .logs import RateLimitedLog
 from .metrics import Metrics
-from .probe import backoff_wait
+from .probe import Link, backoff_wait
 from .records import OutboundRecord
 from .stages import OutboxReader
 from .timeouts import wait_for
@@ -115,7 +118,11 @@ class Forwarder:
         self._limited = RateLimitedLog(log)
         self._stopping = asyncio.Event()
         self._started = False
-        self._failures = 0
+        self._failures = 0  # since the last success (logged when the uplink is back)
+        # Failures since the last success or since a probe found the server
+        # back: the backoff's exponent (module docstring).
+        self._retries = 0
+        self._link = Link()  # what the recovery probes saw, across waits
         # Seqs Iggy has confirmed whose delete from the outbox has not yet
         # succeeded; kept across a restart of run() by the supervisor.
         self._undeleted: set[int] = set()
@@ -354,6 +361,8 @@ class Forwarder:
                 self._outbox.records,
             )
         self._failures = 0
+        self._retries = 0
+        self._link.down = False
         self.down_since = None
         self._metrics.uplink_up.set(1)
         self._metrics.uplink_down_since.set(0)
@@ -371,6 +380,7 @@ class Forwarder:
             self._metrics.forward_ambiguous_retries.inc(unconfirmed)
         self._metrics.forward_errors.labels(kind).inc()
         self._failures += 1
+        self._retries += 1
         if self.down_since is None:
             self.down_since = time.time()
             self._metrics.uplink_down_since.set(self.down_since)
@@ -386,9 +396,10 @@ class Forwarder:
 
     async def _backoff(self) -> None:
         delay = backoff_delay(
-            self._failures - 1, self._settings.backoff_initial_s, self._settings.backoff_max_s
+            self._retries - 1, self._settings.backoff_initial_s, self._settings.backoff_max_s
         )
-        if await backoff_wait(self._uplink, delay, self._wait):
+        if await backoff_wait(self._uplink, delay, self._wait, self._link):
+            self._retries = 0
             log.info("uplink: the probe reaches the server again; retrying now")
 
     async def _wait(self, seconds: float) -> bool:

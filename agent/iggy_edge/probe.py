@@ -16,7 +16,20 @@ only after the first 0.5-1 s step, a link that returned within that step was
 never seen down, and the stage waited out its whole backoff: 13.5 s after a
 12 s cut in one run of tests/test_uplink_cluster.py.)
 
-Used by the forwarder (uplink) and the return poll (command source).
+What the probes saw outlives one wait (`Link`, one per stage).  A wait is
+cut short when a probe finds the server reachable and the last probe before
+it, in this wait *or an earlier one*, found it down.  Judged by one wait
+alone, a link that returned between the failed attempt and the first probe
+of the next wait looked "reachable all along", and the stage sat out its
+whole backoff, grown to tens of seconds by the outage (a 30 s cap).  The
+stage forgets `Link.down` on its next success.
+
+Used by the forwarder (uplink) and the return poll (command source), each of
+which also starts its backoff afresh when a wait is cut short: the outage
+that grew it is over, and a failure right after the link returned (a server
+slow to answer the first login while a fleet reconnects, a request that
+times out) is a new one, retried after the initial delay, not after the
+outage's 30 s.
 """
 
 from __future__ import annotations
@@ -45,25 +58,40 @@ async def _sleep(seconds: float) -> bool:
     return False
 
 
+class Link:
+    """What a stage's recovery probes have seen of its remote end, across
+    backoff waits (module docstring)."""
+
+    def __init__(self) -> None:
+        # A probe found no node reachable, and none found one since (and the
+        # stage has not succeeded since).
+        self.down = False
+
+
 async def backoff_wait(
-    target: object, delay: float, wait: Callable[[float], Awaitable[bool]] = _sleep
+    target: object,
+    delay: float,
+    wait: Callable[[float], Awaitable[bool]] = _sleep,
+    link: Link | None = None,
 ) -> bool:
     """Wait `delay` seconds, probing when `target` is a RecoveryProbe and the
     delay is longer than a probe interval.  `wait(seconds)` sleeps and says
-    whether the stage is stopping.  True when the probe saw the server come
-    back (the wait was cut short), False otherwise."""
+    whether the stage is stopping.  `link` carries what the probes saw from
+    one wait to the next (a fresh one: this wait alone).  True when a probe
+    found the server back (the wait was cut short), False otherwise."""
     if not isinstance(target, RecoveryProbe) or delay <= PROBE_INTERVAL_S[1]:
         await wait(delay)
         return False
+    link = Link() if link is None else link
     deadline = time.monotonic() + delay
-    seen_down = not await target.reachable(PROBE_TIMEOUT_S)
     while True:
+        if await target.reachable(PROBE_TIMEOUT_S):
+            if link.down:
+                link.down = False
+                return True
+        else:
+            link.down = True
         left = deadline - time.monotonic()
         step = random.uniform(*PROBE_INTERVAL_S)  # noqa: S311 - jitter, not crypto
         if left <= 0 or await wait(min(left, step)) or time.monotonic() >= deadline:
             return False
-        if await target.reachable(PROBE_TIMEOUT_S):
-            if seen_down:
-                return True
-        else:
-            seen_down = True

@@ -27,7 +27,9 @@
 * The agent never creates the topic (cloud/provision.py); a missing one, seen
   at start, is an error naming the provisioning command, retried.
 * Iggy down: polls fail (bounded), are counted and retried with backoff spent
-  probing (`probe.py`); delivery from the inbox goes on.
+  probing (`probe.py`: what the probes saw carries from one wait to the
+  next, and the backoff starts afresh when they find Iggy back); delivery
+  from the inbox goes on.
 
 Cadence: a poll of one partition is the cheapest look there is, so it just
 polls (board updates ride along: no request of their own).  Quiet, every
@@ -49,7 +51,7 @@ from ..backoff import backoff_delay
 from ..config import Settings
 from ..logs import RateLimitedLog
 from ..metrics import Metrics
-from ..probe import backoff_wait
+from ..probe import Link, backoff_wait
 from ..stages import DeadLetterSink
 from ..uplink.protocol import CommandSource, PolledMessage, UplinkError, UplinkRejected
 from .commands import (
@@ -140,7 +142,8 @@ class ReturnPoll:
         log.info(
             "return poll: resuming %s/%s at %d", self.main.stream, self.main.topic, self._last[self.main] + 1
         )
-        failures = 0
+        failures = 0  # since the last good round or since a probe found Iggy back
+        link = Link()
         started = False
         while True:
             try:
@@ -166,10 +169,12 @@ class ReturnPoll:
                     e,
                     delay,
                 )
-                if await backoff_wait(self._source, delay):
+                if await backoff_wait(self._source, delay, link=link):
+                    failures = 0
                     log.info("return poll: the probe reaches Iggy again; polling now")
                 continue
             failures = 0
+            link.down = False
             await self._mirror.mirror(self._last, self._dl.mirror_timeout_s)
             if not got:
                 await asyncio.sleep(max(0.0, self._round_started + self._pause() - time.monotonic()))
