@@ -48,10 +48,12 @@ permissions it sets anyway.  It never deletes a topic.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -72,6 +74,15 @@ MAX_USERNAME: Final = 50  # iggy-server's limit (3..50 bytes)
 USER_PREFIX: Final = "gw-"
 TOKEN_NAME: Final = "iggy-edge"  # noqa: S105 - the name of the gateway user's token, not a secret
 PASSWORD_BYTES: Final = 24  # 32 URL-safe characters; the server takes 3..100
+# Seconds from the start of one Argon2 step of `provision_gateways` (a user
+# made, a token's login) to the next: at most 12 a second.  Back to back (33
+# a second here) the metadata leader of a 3-node iggy-server 0.9.0-edge.5
+# cluster missed its heartbeats during the tokens pass in 2 of 2 runs of
+# 1,000 gateways, and the view change that followed left the partitions'
+# primaries on another node than the one the clients then used (refused
+# writes for minutes, docs/scaling.md, run E); one gateway at a time
+# (about 15 steps a second) never did.
+HASH_PACE_S: Final = 1 / 12
 
 
 def gateway_username(gateway_id: str) -> str:
@@ -222,6 +233,7 @@ async def provision_gateways(
     tokens: bool = True,
     connection: Connection | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    pace_s: float = HASH_PACE_S,
 ) -> list[Provisioned]:
     """`provision_gateway` for many gateways (ids, or (id, user name)
     pairs), in three passes: every topic, then every user, then every
@@ -231,7 +243,8 @@ async def provision_gateways(
     topic creation -- about 17 MB on the leader per gateway provisioned one
     at a time (25 MB with its token), none for the same work in passes
     (docs/scaling.md, "Provisioning").  `progress(pass, done, total)` is
-    called after each gateway of each pass."""
+    called after each gateway of each pass.  The users and tokens passes
+    start one step every `pace_s` seconds at most (`HASH_PACE_S`)."""
     todo = [(g, gateway_username(g)) if isinstance(g, str) else g for g in gateways]
     conn = connection or Connection(settings.iggy, "provisioning")
     tell = progress or (lambda _pass, _done, _total: None)
@@ -251,14 +264,19 @@ async def provision_gateways(
             topics.append(await _gateway_topics(conn, client, settings, gateway_id, shared))
             tell("topics", i, len(todo))
         users: list[tuple[str | None, bool]] = []
+        pace = _Pace(pace_s if len(todo) > 1 else 0.0)
         for i, ((_gw, name), (grants, _, _)) in enumerate(zip(todo, topics, strict=True), 1):
+            await pace.step()
             users.append(await _user(conn, client, name, grants.permissions(), rotate))
             tell("users", i, len(todo))
         out: list[Provisioned] = []
         for i, ((gateway_id, name), (_, created, legacy), (password, made)) in enumerate(
             zip(todo, topics, users, strict=True), 1
         ):
-            token = None if password is None or not tokens else await _token(settings, name, password)
+            token = None
+            if password is not None and tokens:
+                await pace.step()
+                token = await _token(settings, name, password)
             rt = return_topic_of(gateway_id, settings.downlink)
             log.info("provisioned gateway %s: user %s, %s/%s", gateway_id, name, rt.stream, rt.topic)
             out.append(
@@ -271,6 +289,20 @@ async def provision_gateways(
     finally:
         if connection is None:
             await conn.close()
+
+
+class _Pace:
+    """At most one step every `interval` seconds (start to start)."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._next = 0.0
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            await asyncio.sleep(self._next - now)
+        self._next = max(now, self._next) + self._interval
 
 
 async def _gateway_topics(
