@@ -22,6 +22,7 @@ import pytest
 from iggy_edge.cli.main import app
 from iggy_edge.config import ConfigError, IggySettings, Settings, load_config
 from iggy_edge.downlink.commands import make_command, return_topic
+from iggy_edge.relay import TcpRelay
 from iggy_edge.runtime import Agent, build_agent
 from iggy_edge.uplink.iggy import IggyCommandSource, IggyUplink, send_command
 from iggy_edge.uplink.iggy.cluster import decode_cluster_metadata
@@ -266,6 +267,33 @@ def agent_settings(
     return make_settings(tmp_path, broker, iggy=iggy, metrics={"enabled": False}, **kw)
 
 
+async def publish_through_a_cut(agent: Agent, pub: Publisher, proxy: TcpRelay, cut_s: float = 12.0) -> int:
+    """10 readings forwarded, then the link cut for `cut_s` while 5 more come
+    every 0.5 s, all acknowledged by the broker; how many were published.
+    The link is still cut: the caller restores it."""
+    n = 0
+
+    async def publish(count: int) -> None:
+        nonlocal n
+        for _ in range(count):
+            await pub.publish(
+                "edge/dev-1/up/t", json.dumps({"dev": "dev-1", "n": n}).encode(), tag=("dev-1", n)
+            )
+            n += 1
+
+    await publish(10)
+    await wait_forwarded(agent, 10, 30)
+    await proxy.cut()
+    cut_at = time.monotonic()
+    while time.monotonic() - cut_at < cut_s:  # records keep coming during the cut
+        await publish(5)
+        await asyncio.sleep(0.5)
+    assert agent.forwarder is not None
+    assert not agent.forwarder.up.is_set()
+    await pub.wait_all_acked(30)
+    return n
+
+
 @pytest.mark.xdist_group("timing")  # wall-clock bounds: one after another on one xdist worker
 @pytest.mark.iggy
 async def test_forwarding_resumes_within_seconds_of_a_long_cut(
@@ -288,27 +316,9 @@ async def test_forwarding_resumes_within_seconds_of_a_long_cut(
     try:
         await asyncio.wait_for(agent.ready.wait(), 15)
         await wait_subscribed(agent)
-        n = 0
         acked: list[tuple[str, int]] = []
-
-        async def publish(count: int) -> None:
-            nonlocal n
-            for _ in range(count):
-                await pub.publish(
-                    "edge/dev-1/up/t", json.dumps({"dev": "dev-1", "n": n}).encode(), tag=("dev-1", n)
-                )
-                n += 1
-
-        await publish(10)
-        await wait_forwarded(agent, 10, 30)
-        await proxy.cut()
-        cut_at = time.monotonic()
-        while time.monotonic() - cut_at < 12.0:  # records keep coming during the cut
-            await publish(5)
-            await asyncio.sleep(0.5)
+        n = await publish_through_a_cut(agent, pub, proxy)
         assert agent.forwarder is not None
-        assert not agent.forwarder.up.is_set()
-        await pub.wait_all_acked(30)
         await proxy.restore()
         back_at = time.monotonic()
         await asyncio.wait_for(agent.forwarder.up.wait(), 30)
@@ -364,24 +374,7 @@ async def test_a_failure_right_after_a_long_cut_heals_is_retried_within_seconds(
     try:
         await asyncio.wait_for(agent.ready.wait(), 15)
         await wait_subscribed(agent)
-        n = 0
-
-        async def publish(count: int) -> None:
-            nonlocal n
-            for _ in range(count):
-                await pub.publish(
-                    "edge/dev-1/up/t", json.dumps({"dev": "dev-1", "n": n}).encode(), tag=("dev-1", n)
-                )
-                n += 1
-
-        await publish(10)
-        await wait_forwarded(agent, 10, 30)
-        await proxy.cut()
-        cut_at = time.monotonic()
-        while time.monotonic() - cut_at < 12.0:
-            await publish(5)
-            await asyncio.sleep(0.5)
-        await pub.wait_all_acked(30)
+        n = await publish_through_a_cut(agent, pub, proxy)
         assert agent.forwarder is not None
         errors = forward_errors(agent)
         iggy_server.pause()
