@@ -6,9 +6,10 @@
 # one at a time beside this one (heap: on a 32-bit board the app leaves a
 # few kB, in small holes): otadl.py (the download: chunks, sha256s, resume;
 # loaded while one is in progress), otafit.py (a manifest's checks),
-# otaman.py (manifest, abort, probe: loaded for one message), otastate.py
-# (ota.json: the switch, a trial's confirmation and rollback; kept while a
-# trial runs).  Protocol and layout: device/README.md, "Over-the-air updates".
+# otaman.py (manifest, abort, probe: loaded for one message), otatrial.py
+# (a trial's check, kept while it runs), otastate.py (ota.json: the
+# switch, the confirmation, the rollback: loaded for them).  Protocol and
+# layout: device/README.md, "Over-the-air updates".
 #   gateway -> board  {prefix}/{dev}/down/ota  one JSON line, then (chunks) raw bytes:
 #       {"t":"m","id","v","files":[[path,size,sha256hex],..],"total","mpy"}  manifest
 #       {"t":"c","id","f","o","h"}\n<bytes>   chunk of file f at offset o, h its sha256
@@ -102,7 +103,9 @@ class Ota:
             else:
                 self.need()
         if "trial" in st:
-            state().trial(self)  # confirmed, or out of time (otastate stays while the trial runs)
+            from . import otatrial  # kept while the trial runs (dropped with this module)
+
+            otatrial.trial(self)  # confirmed, or out of time
         if c is None:
             return
         rep = st.get("rep")
@@ -112,6 +115,7 @@ class Ota:
             unload("otastate")
         if "trial" not in st and "rep" not in st and self.m is None:
             dev._ota = None  # nothing pending: drop this code (heap)
+            unload("otatrial")
             unload("otadl")
             unload("ota")
 
@@ -132,6 +136,11 @@ class Ota:
             self.dev.stats["bad_messages"] += 1
             self.dev.log("ota: bad message")
             return
+        self.rare(msg, i, t)
+
+    def rare(self, msg, i, t):
+        """A manifest, an abort or a probe (its own function: a function's
+        code is one block, and a fragmented heap has small ones)."""
         # one module at a time (the download's, otafit's, otaman's), each
         # loaded before the message is parsed (again): the parse's small
         # objects, scattered over the free heap, left no block for their

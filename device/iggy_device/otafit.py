@@ -51,7 +51,9 @@ def find(st):
 
 
 def fit(doc):
-    """None for a manifest the board can take, else the reason."""
+    """None for a manifest the board can take, else the reason.  In small
+    functions: each one's code is one block, and a fragmented heap has
+    small ones."""
     if not _scan(doc.get("id"), _ID, 32):
         return "bad manifest: id"  # otaman.py's _BAD_ID
     v = doc.get("v")
@@ -62,27 +64,40 @@ def fit(doc):
         return "bad manifest: 1..%d files" % _FILES
     total = 0
     seen = []
-    entry = False
     for e in files:
-        if not isinstance(e, list) or len(e) != 3:
-            return "bad manifest: file entry"
-        p, n, h = e
-        if not _scan(p, _PATH, 96):
+        why = entry(e, seen)
+        if why is not None:
+            return why
+        total += e[1]
+    for e in _ENTRY:
+        if e in seen:
+            return tail(doc, total)
+    return "bad manifest: no main.py"
+
+
+def entry(e, seen):
+    """None for a good file entry [path, size, sha256] (its path added to
+    ``seen``), else the reason."""
+    if not isinstance(e, list) or len(e) != 3:
+        return "bad manifest: file entry"
+    p, n, h = e
+    if not _scan(p, _PATH, 96):
+        return "bad manifest: path " + repr(p)[:40]
+    for s in p.split("/"):  # relative, no empty part, none starting with "."
+        if not s or s.startswith("."):
             return "bad manifest: path " + repr(p)[:40]
-        for s in p.split("/"):  # relative, no empty part, none starting with "."
-            if not s or s.startswith("."):
-                return "bad manifest: path " + repr(p)[:40]
-        if p in seen:
-            return "bad manifest: %s twice" % p
-        seen.append(p)
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= _MAX:
-            return "bad manifest: size of " + p
-        if not _scan(h, _HEX, 64) or len(h) != 64:
-            return "bad manifest: sha256 of " + p
-        total += n
-        entry = entry or p in _ENTRY
-    if not entry:
-        return "bad manifest: no main.py"
+    if p in seen:
+        return "bad manifest: %s twice" % p
+    seen.append(p)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= _MAX:
+        return "bad manifest: size of " + p
+    if not _scan(h, _HEX, 64) or len(h) != 64:
+        return "bad manifest: sha256 of " + p
+    return None
+
+
+def tail(doc, total):
+    """The manifest's total and .mpy version."""
     if doc.get("total") != total:
         return "bad manifest: total is not the sum of the sizes"
     if total > _MAX:

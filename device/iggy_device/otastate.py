@@ -23,7 +23,6 @@
 # rewind, boot, fatal, reset), their constants are const() (no qstr: an int,
 # or a str object), and messages are built with one long format string.
 import json
-import time
 
 from micropython import const
 
@@ -111,37 +110,6 @@ def rewind(st, why, raw=False, dev=None):
         print("[iggy] ota:", why)
     else:
         reset(dev, why)
-
-
-def trial(o):
-    """From the receiver's poll while a trial runs (this module stays
-    loaded meanwhile): confirmed when the trial's first reading has left
-    the ring, rolled back when its time is up."""
-    dev = o.dev
-    st = o.st
-    if o.first is not None and dev._client is not None and _release_to(dev.ring, o.first):
-        done(st)
-        dev.log("ota: confirmed", st.get("v"))
-    elif time.ticks_diff(time.ticks_ms(), o.t) > st.get("t", 300) * 1000:
-        rewind(st, "not confirmed within %d s" % st.get("t", 300), True, dev)
-
-
-def _release_to(ring, seq):
-    """The ring holds no record up to ``seq`` any more: the gateway has it
-    (receipted), or the broker (PUBACK, receipts off)."""
-    segs = ring._segs
-    i, off, read = 0, ring._off, ring._read
-    while i < len(segs) and read >= segs[i][2]:
-        i, off, read = i + 1, 0, 0
-    if i >= len(segs):
-        return True
-    with open(ring._path(segs[i][0]), "rb") as f:
-        f.seek(off)
-        line = f.readline()
-    from .ring import seq_of
-
-    s = seq_of(line, line.find(b" ") + 1)
-    return s is not None and s > seq
 
 
 def staged(o, m):
