@@ -101,6 +101,8 @@ class Ota:
             if tr is not None:
                 self.send({"id": tr["id"], "st": "trial", "v": st.get("v")})
             else:
+                if self.want is None and self.m is not None:
+                    dl().resume(self)  # one the heap refused before: the download goes on
                 self.need()
         if "trial" in st:
             from . import otatrial  # kept while the trial runs (dropped with this module)
@@ -166,7 +168,7 @@ class Ota:
         finally:
             unload("otaman")
             otaman = doc = None
-        if t and dl().resume(self):  # a new download: what is on flash, what to ask
+        if t and dl().resume(self):  # a new download, or the same again: what is on flash, what to ask
             self.need()
 
     # -- replies ----------------------------------------------------------------

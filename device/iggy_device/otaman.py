@@ -19,8 +19,8 @@ _BAD_ID = const("bad manifest: id")  # otafit.fit's verdict on an id
 def handle(o, t, doc, why):
     """``o``: the receiver (ota.Ota); ``t``: "m", "x" or "q"; ``why``: for a
     manifest, otafit.fit's verdict (None: the board can take it).  True: a
-    new download starts (``o.m`` set; the receiver loads otadl.py and
-    resumes).  In small functions: each one's code is one block, and a
+    download starts or goes on (``o.m`` set; the receiver loads otadl.py
+    and resumes from what is on flash).  In small functions: each one's code is one block, and a
     fragmented heap has small ones."""
     st = o.st
     uid = doc.get("id")
@@ -46,8 +46,7 @@ def handle(o, t, doc, why):
         return False
     m = o.m
     if m is not None and m["id"] == uid and m["files"] == doc["files"] and m["v"] == doc["v"]:
-        o.need()  # the same update again (after a reconnect): go on
-        return False
+        return True  # the same update again (after a reconnect): go on from what is on flash
     return start(o, doc, uid)
 
 
