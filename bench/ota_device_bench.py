@@ -5,9 +5,11 @@ updater at the MQTT boundary) until the agent's updater is merged.
 
 Prints one JSON line per figure:
   {"bench": "ota_code_heap", ...}    heap the OTA modules take once imported (.mpy):
-                                     resident while an update runs (ota), loaded for
-                                     one message and dropped (otaman, otastate), and
-                                     the loader's frame under the app (otaboot)
+                                     resident while an update runs (ota), with it while
+                                     a download runs (otadl) or a trial (otatrial),
+                                     loaded for one message or step and dropped
+                                     (otafit, otaman, otastate), and the loader's
+                                     frame under the app (otaboot)
   {"bench": "ota_update", ...}       time to update a 30 kB app over loopback (manifest
                                      sent -> "done" from the new version), chunks, and
                                      flash bytes written (strace: every write() into the
@@ -61,7 +63,7 @@ import gc, sys
 sys.path.insert(0, "lib")
 from iggy_device import node, ring, fsutil
 r = {}
-for name in ("otaboot", "otastate", "ota", "otaman"):
+for name in ("otaboot", "otastate", "ota", "otaman", "otadl", "otafit", "otatrial"):
     gc.collect(); a = gc.mem_alloc()
     __import__("iggy_device." + name)
     gc.collect(); r[name] = gc.mem_alloc() - a

@@ -112,25 +112,6 @@ def rewind(st, why, raw=False, dev=None):
         reset(dev, why)
 
 
-def find(st):
-    """The manifest of the download in progress (ota.py), or None; one
-    left over from before a switch (or torn) is removed."""
-    if not fsutil.exists("s/m.json"):
-        return None
-    m = None
-    try:
-        with open("s/m.json") as f:
-            m = json.load(f)  # from the stream: no copy of the file
-        tr = st.get("trial")
-        if m["slot"] == st["cur"] or (tr and tr["id"] == m["id"]):
-            m = None  # switched before it was removed
-    except (OSError, ValueError, KeyError, TypeError):
-        m = None  # torn: the gateway sends the manifest again
-    if m is None:
-        fsutil.remove("s/m.json")
-    return m
-
-
 def staged(o, m):
     """Every file of ``m`` is in the staging slot, its sha256 checked: say
     so, switch (the one atomic step of an update: the slot becomes the
