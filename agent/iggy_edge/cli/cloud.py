@@ -126,7 +126,10 @@ def provision(
     try:
         done = asyncio.run(provision_gateways(settings, todo, rotate=rotate, progress=_progress(len(ids))))
     except UplinkError as e:
-        raise fail(f"not provisioned: {e}") from None
+        raise fail(
+            f"not provisioned: {e} (no credentials were written; a user made before the error has a"
+            " password nobody was given: run it again with --rotate for those gateways)"
+        ) from None
     for one in done:
         path = out if out is not None else None if out_dir is None else out_dir / f"{one.gateway_id}.toml"
         if path is not None and one.password is not None:
