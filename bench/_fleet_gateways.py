@@ -260,6 +260,7 @@ async def main(cfg: dict[str, Any]) -> None:
             conns = sum(c.connected_at is not None for c in LIVE)
             say(
                 event="counts",
+                at=time.monotonic(),  # CLOCK_MONOTONIC: one clock for every process of the machine
                 calls=dict(CALLS),
                 connected=live,
                 heartbeats_per_s=round(hb, 3),
