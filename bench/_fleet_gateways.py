@@ -137,6 +137,7 @@ class Gateway:
                 "state_dir": str(state),
                 "iggy": iggy,
                 "buffer": {"synchronous": "normal"},
+                "downlink": {"poll_interval_s": cfg["poll_interval_s"]},
                 "metrics": {"enabled": False},
             },
             env={},

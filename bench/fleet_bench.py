@@ -290,6 +290,7 @@ def run_fleet(
             "timeout_s": args.timeout,
             "heartbeat_s": args.heartbeat,
             "jitter_s": args.start_jitter,
+            "poll_interval_s": args.poll_interval,
             "separate": args.separate,
         }
         for first in range(0, n, per)
@@ -344,6 +345,7 @@ def run_fleet(
             p50=round(pct(times, 0.5), 2),
             not_ready=not_ready,
             start_jitter_s=args.start_jitter,
+            poll_interval_s=args.poll_interval,
             login=args.login,
             procs=args.procs,
             shared_connection=not args.separate,
@@ -545,6 +547,12 @@ def main() -> None:
     ap.add_argument("--separate", action="store_true", help="one connection each for uplink and return path")
     ap.add_argument("--start-jitter", type=float, default=0.0, help="iggy.start_jitter_s of every gateway")
     ap.add_argument("--heartbeat", type=float, default=60.0, help="iggy.heartbeat_interval_s (the default's)")
+    ap.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        help="downlink.poll_interval_s of every gateway (the default's; docs/scaling.md: the p99 trade-off)",
+    )
     ap.add_argument("--timeout", type=float, default=30.0, help="connect/request timeout of the gateways")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--settle", type=float, default=10.0)
