@@ -302,7 +302,8 @@ class OtaSender:
     # -- the updater -------------------------------------------------------
     def _send(self, payload: bytes) -> None:
         if not payload.startswith(b'{"t":"c"'):
-            self._sent = None  # after a manifest the board's need is answered, whatever it is (as the agent's updater)
+            # after a manifest the board's need is answered, whatever it is (as the agent's updater)
+            self._sent = None
         self._last = payload
         self._last_at = time.monotonic()
         self._mqtt.publish(self.down, payload)
