@@ -131,7 +131,7 @@ def provision(
             " password nobody was given: run it again with --rotate for those gateways)"
         ) from None
     for one in done:
-        path = out if out is not None else None if out_dir is None else out_dir / f"{one.gateway_id}.toml"
+        path = out_dir / f"{one.gateway_id}.toml" if out_dir is not None else out
         if path is not None and one.password is not None:
             _write_credentials(path, one)
         _report(one, path, as_json)

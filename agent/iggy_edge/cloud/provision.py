@@ -62,7 +62,7 @@ from apache_iggy import IggyClient, Permissions, StreamPermissions, TopicPermiss
 from pydantic import SecretStr
 
 from ..config import Settings
-from ..downlink.commands import legacy_topics, return_topic_of
+from ..downlink.commands import ReturnTopic, legacy_topics, return_topic_of
 from ..uplink.iggy.connection import Connection, create_personal_access_token
 from ..uplink.iggy.errors import is_already_exists, is_not_found
 from ..uplink.iggy.topics import create_topic, get_topic
@@ -259,25 +259,24 @@ async def provision_gateways(
                 raise UplinkRejected(f"iggy: {stream}/{topic} is missing right after creating it")
             shared.add(*ids, send_messages=True)
             sends.append(f"{stream}/{topic}")
-        topics: list[tuple[_Grants, bool, list[str]]] = []
+        topics: list[tuple[_Grants, ReturnTopic, bool, list[str]]] = []
         for i, (gateway_id, _name) in enumerate(todo, 1):
             topics.append(await _gateway_topics(conn, client, settings, gateway_id, shared))
             tell("topics", i, len(todo))
         users: list[tuple[str | None, bool]] = []
         pace = _Pace(pace_s if len(todo) > 1 else 0.0)
-        for i, ((_gw, name), (grants, _, _)) in enumerate(zip(todo, topics, strict=True), 1):
+        for i, ((_gw, name), (grants, _, _, _)) in enumerate(zip(todo, topics, strict=True), 1):
             await pace.step()
             users.append(await _user(conn, client, name, grants.permissions(), rotate))
             tell("users", i, len(todo))
         out: list[Provisioned] = []
-        for i, ((gateway_id, name), (_, created, legacy), (password, made)) in enumerate(
+        for i, ((gateway_id, name), (_, rt, created, legacy), (password, made)) in enumerate(
             zip(todo, topics, users, strict=True), 1
         ):
             token = None
             if password is not None and tokens:
                 await pace.step()
                 token = await _token(settings, name, password)
-            rt = return_topic_of(gateway_id, settings.downlink)
             log.info("provisioned gateway %s: user %s, %s/%s", gateway_id, name, rt.stream, rt.topic)
             out.append(
                 Provisioned(
@@ -307,10 +306,10 @@ class _Pace:
 
 async def _gateway_topics(
     conn: Connection, client: IggyClient, settings: Settings, gateway_id: str, shared: _Grants
-) -> tuple[_Grants, bool, list[str]]:
+) -> tuple[_Grants, ReturnTopic, bool, list[str]]:
     """The gateway's return-path topic (made if missing): its grants (the
-    shared ones and its own), whether it was made, and the topics of the
-    two-topic scheme it may read out."""
+    shared ones and its own), the topic, whether it was made, and the topics
+    of the two-topic scheme it may read out."""
     grants = shared.copy()
     rt = return_topic_of(gateway_id, settings.downlink)
     created = await create_topic(conn, client, rt.stream, rt.topic, 1)
@@ -324,7 +323,7 @@ async def _gateway_topics(
         if ids is not None:
             grants.add(*ids, read_topic=True, poll_messages=True)
             legacy.append(f"{settings.downlink.stream}/{topic}")
-    return grants, created, legacy
+    return grants, rt, created, legacy
 
 
 async def create_return_topic(settings: Settings, gateway_id: str | None = None) -> bool:
