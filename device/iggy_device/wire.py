@@ -111,6 +111,17 @@ class Wire:
     def read(self, n):
         if not n:
             return b""  # an empty payload: not the next packet's first byte
+        try:
+            return self._read(n)
+        except MemoryError:
+            # mid-packet (a payload has no block): the rest of it is still on
+            # the socket and must never be framed as the next packet, whichever
+            # handler catches this; the session ends here, the broker sends
+            # the message again (DUP: see _big)
+            self._s.close()
+            raise
+
+    def _read(self, n):
         self.flush()
         if not self._left and not self._pb:
             # a packet boundary: frame the next packet

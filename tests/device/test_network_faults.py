@@ -8,6 +8,7 @@ commands queued for a sleeping board than its inbox holds."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.support.micropython import (
     board_config,
     mqtt_publish,
     require_micropython,
+    run_script,
     unique_device_id,
     wait_console,
 )
@@ -117,6 +119,56 @@ def test_a_60kb_retained_config_is_refused_unread_in_a_small_heap(
     assert board.wait(60) == 0, board.console()[-3000:]
     assert "config: period_ms -> 150" in board.console()
     assert board.done()["bad_messages"] == 0
+
+
+_STEPS = """
+from iggy_device import wire
+from umqtt import simple
+
+wire.max_payload = 1 << 20  # allowed: the heap, not the bound, refuses it
+wire.feed = lambda: None
+simple.socket = wire  # as node.py does
+c = simple.MQTTClient("PEER", "127.0.0.1", PORT)
+c.set_callback(lambda t, m: print("MSG", t, len(m)))
+c.connect()
+c.subscribe(b"oos/#", 0)
+for _ in range(3):
+    try:
+        c.wait_msg()
+        print("STEP read")
+    except MemoryError:
+        print("STEP MemoryError")  # what a handler that keeps the session sees
+    except OSError as e:
+        print("STEP OSError", e)
+        break
+"""
+
+
+def test_a_message_the_heap_cannot_take_ends_the_stream_its_payload_is_never_framed_as_a_packet(
+    broker: Broker, tmp_path: Path
+) -> None:
+    # A PUBLISH the heap has no block for fails before a byte of its payload
+    # is read.  The payload is still on the socket: read on, it would be
+    # framed as the next packet -- here a forged PUBLISH at its start, on a
+    # real board a command.  After the MemoryError the next read must fail
+    # (the caller reconnects; the broker sends the message again as DUP,
+    # which wire.py cuts), whichever handler caught the error.
+    forged = b"\x30\x10\x00\x08oos/evilFORGED"  # PUBLISH, QoS 0, topic oos/evil
+    payload = tmp_path / "payload"
+    payload.write_bytes(forged + b"\xd0\x00" * 100_000)  # then PINGRESPs: 200 kB, over the heap
+    pub = ["mosquitto_pub", "-h", broker.host, "-p", str(broker.port), "-t", "oos/big", "-r", "-q", "1"]
+    subprocess.run(
+        [*pub, "-f", str(payload)],
+        check=True,
+        timeout=10,
+    )
+    flash = Flash(tmp_path / "flash")
+    peer = unique_device_id("oos")
+    out = run_script(_STEPS.replace("PEER", peer).replace("PORT", str(broker.port)), flash, heapsize="96k")
+    steps = [line for line in out.stdout.splitlines() if line.startswith(("STEP", "MSG"))]
+    assert steps[0] == "STEP MemoryError", out.stdout + out.stderr
+    assert steps[1].startswith("STEP OSError"), out.stdout + out.stderr
+    assert "evil" not in out.stdout
 
 
 def test_an_oversized_command_is_refused_and_acknowledged_the_next_one_runs(
