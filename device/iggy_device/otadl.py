@@ -21,6 +21,8 @@ def write(o, doc, data):
     appended once its sha256 is checked."""
     m = o.m
     f, at = doc.get("f"), doc.get("o")
+    if o.want is None and not resume(o):  # after a step the heap refused: from the flash
+        return
     if [f, at] != o.want:
         o.need()  # a duplicate or a late resend: ask for what is wanted
         return
@@ -31,6 +33,7 @@ def write(o, doc, data):
         o.dev.log("ota: chunk %d at %d refused (sha256 or size)" % (f, at))
         o.send({"id": m["id"], "st": "bad", "f": f, "o": at})
         return
+    o.want = None  # until resume() has read the flash: never this chunk twice
     with open(path(o, p), "ab") as fh:
         fh.write(data)
     o.dev.hw.feed()

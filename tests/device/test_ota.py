@@ -24,6 +24,7 @@ from tests.support.micropython import (
     MqttLog,
     board_config,
     require_micropython,
+    run_script,
     unique_device_id,
     wait_console,
 )
@@ -209,6 +210,67 @@ def test_a_file_damaged_on_flash_is_found_by_its_sha256_and_fetched_again(
     assert s.wait_result(120)["st"] == "done"
     assert "main.py sha256 does not match: fetching it again" in b.console()
     assert _sha(b.slot_files("b")) == _sha(new)
+
+
+_REFUSED_STEP = """
+import os
+from iggy_device import otadl
+
+os.mkdir("s")
+os.mkdir("s/b")
+
+
+class Hw:
+    refuse = 1  # the step after the append: the heap refuses it once
+
+    def feed(self):
+        if Hw.refuse:
+            Hw.refuse = 0
+            raise MemoryError("memory allocation failed")
+
+
+class Dev:
+    hw = Hw()
+
+    def log(self, *a):
+        print("LOG", *a)
+
+
+class O:  # the receiver (ota.py) as otadl.py sees it
+    dev = Dev()
+    n = 0
+    m = {"id": "u", "slot": "b", "files": [["app.bin", 8, "0" * 64]]}
+    want = None
+
+    def need(self):
+        print("NEED", self.want)
+
+    def send(self, doc):
+        print("SEND", doc)
+
+
+o = O()
+otadl.resume(o)
+chunk = {"f": 0, "o": 0, "h": "SHA"}
+try:
+    otadl.write(o, chunk, b"abcd")
+except MemoryError:
+    print("REFUSED")
+otadl.write(o, chunk, b"abcd")  # the gateway sends it again
+print("SIZE", os.stat("s/b/app.bin")[6])
+"""
+
+
+def test_a_chunk_sent_again_after_a_step_the_heap_refused_is_not_appended_twice(tmp_path: Path) -> None:
+    # A MemoryError between a chunk's append and resume() (what the board
+    # wants next, from the flash) left `want` at the chunk just written; the
+    # gateway's resend of it was appended a second time, the file failed its
+    # sha256 and was fetched again from its start (at 64k: 4 times in one
+    # run, and a 4th failure fails the update).
+    out = run_script(_REFUSED_STEP.replace("SHA", hashlib.sha256(b"abcd").hexdigest()), Flash(tmp_path))
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "SIZE 4" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.rstrip().splitlines()[-2] == "NEED [0, 4]", out.stdout
 
 
 def test_a_reconnect_mid_download_resumes_where_it_stopped(ota_board: Callable[..., OtaBoard]) -> None:
