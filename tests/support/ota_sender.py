@@ -86,6 +86,15 @@ def app_files(version: str, broken: str | None = None, pad: int = 0, mpy: bool =
     return files
 
 
+def sized_update(version: str, kb: int) -> dict[str, bytes]:
+    """env_sensor as `iggy-edge device update --example env_sensor` builds
+    it (main.py source, bme280 as .mpy: a .py would be compiled by the new
+    version on the board), padded with a data file to ``kb`` kB: what the
+    heap test and bench/ota_device_bench.py send."""
+    bare = sum(len(d) for d in app_files(version, mpy=True).values())
+    return app_files(version, pad=max(0, kb * 1024 - bare), mpy=True)
+
+
 def install_ota_board(
     flash: Flash, version: str, config: dict[str, Any], *, mpy: bool = True, **state: Any
 ) -> None:
@@ -121,13 +130,13 @@ def slot_layout(flash: Flash, example: str = "env_sensor") -> None:
     (flash.root / provision_layout.STATE_FILE).write_bytes(provision_layout.ota_state(version))
 
 
-def install_provisioned(flash: Flash, config: dict[str, Any]) -> None:
+def install_provisioned(flash: Flash, config: dict[str, Any], *, frozen: bool = False) -> None:
     """env_sensor as `device provision --mpy` writes it for updates (library
     and bme280 as .mpy, main.py source, ``slot_layout``), with ``config``:
     what bench/ota_device_bench.py and bench/device_min_heap.py --layout ota
-    measure."""
+    measure.  ``frozen``: for a firmware with the library in it (no /lib)."""
     flash.install_example("env_sensor", **config)
-    flash.install_library(mpy=True)
+    flash.install_library(mpy=True, frozen=frozen)
     flash.compile_app()
     slot_layout(flash)
 
