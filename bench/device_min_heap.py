@@ -109,12 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.frozen and args.source:
         ap.error("--frozen has no library on the flash to compile: leave out --source")
-    firmware = None
-    if args.frozen:
-        why = frozen.missing()
-        if why:
-            raise SystemExit(f"--frozen: {why}")
-        firmware = frozen.frozen_firmware()
+    firmware = frozen.for_bench(args.frozen)
     probe_args = (args.cycles, args.source, args.layout, firmware)
     with tempfile.TemporaryDirectory(prefix="iggy-min-heap-") as t:
         tmp = Path(t)

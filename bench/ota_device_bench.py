@@ -252,12 +252,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=4)
     ap.add_argument("--frozen", action="store_true", help="on a firmware with the library frozen in")
     args = ap.parse_args()
-    firmware = None
-    if args.frozen:
-        why = frozen.missing()
-        if why:
-            raise SystemExit(f"--frozen: {why}")
-        firmware = frozen.frozen_firmware()
+    firmware = frozen.for_bench(args.frozen)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="iggy-ota-bench-") as t:
         tmp = Path(t)

@@ -90,3 +90,14 @@ def frozen_firmware() -> str:
         for old in sorted(CACHE.glob("micropython-*"), key=lambda f: f.stat().st_mtime)[:-8]:
             old.unlink()  # the builds of library versions long gone
     return str(out)
+
+
+def for_bench(wanted: bool) -> str | None:
+    """A bench's ``--frozen``: the firmware (built if need be), None when not
+    wanted; the bench exits with the reason when none can be built here."""
+    if not wanted:
+        return None
+    why = missing()
+    if why:
+        raise SystemExit(f"--frozen: {why}")
+    return frozen_firmware()
