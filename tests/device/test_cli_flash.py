@@ -30,6 +30,7 @@ from iggy_edge.provision.sources import source_root, tool
 from iggy_edge.provision.staging import check_mpy, device_config, prepare, stage
 from typer.testing import CliRunner
 
+from tests.support import frozen
 from tests.support.broker import Broker
 from tests.support.micropython import (
     MPLIB_DIR,
@@ -230,6 +231,7 @@ def test_probe_under_micropython_reports_mpy_version_and_umqtt(tmp_path: Path) -
     assert probe is not None, r.stdout + r.stderr
     assert probe.impl == "micropython"
     assert probe.umqtt  # on the path, as when frozen into the firmware
+    assert probe.frozen is None  # the library is not in this firmware
     bare = Flash(tmp_path / "bare")
     (bare.root / "lib").mkdir(parents=True)  # a /lib without umqtt
     probe_bare = parse_probe(run_script(PROBE, bare).stdout)
@@ -257,8 +259,9 @@ class FlashBoard:
     real umqtt there, `reset` is recorded.  Only the serial transport is
     replaced (no raw REPL on the Unix port); this sits at our own wrapper."""
 
-    def __init__(self, flash: Flash) -> None:
+    def __init__(self, flash: Flash, firmware: str | None = None) -> None:
         self.flash = flash
+        self.firmware = firmware  # a build with the library frozen in (tests/support/frozen.py)
         self.calls: list[tuple[str, ...]] = []
 
     def __call__(self, argv: list[str], port: str, timeout: float = 0) -> str:
@@ -266,7 +269,7 @@ class FlashBoard:
         self.calls.append(args)
         root = self.flash.root
         if args[0] == "exec":
-            r = run_script(args[1], self.flash)
+            r = run_script(args[1], self.flash, firmware=self.firmware)
             if r.returncode != 0:
                 raise ProvisionError("mpremote failed: " + (r.stdout + r.stderr).strip()[-200:])
             return r.stdout
@@ -335,6 +338,56 @@ def test_provisioning_flow_on_a_used_board_then_it_runs(
     board = Board(flash).start()
     assert board.wait(60) == 0, board.console()[-3000:]
     assert board.done()["cycles"] == 3
+    assert board.done()["sent"] >= 3
+
+
+def test_a_board_whose_firmware_has_the_library_frozen_in_gets_no_copy_and_loses_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broker: Broker
+) -> None:
+    # MicroPython 1.21+ looks in the firmware before /lib: a library copied
+    # there would never be imported, only take flash
+    why = frozen.missing()
+    if why:
+        pytest.skip(why)
+    firmware = frozen.frozen_firmware()
+    flash = Flash(tmp_path / "board")
+    flash.install_example("env_sensor", device_id="old-1", broker="127.0.0.1", wdt_ms=30000)
+    old_lib = flash.root / "lib" / "iggy_device"
+    old_lib.mkdir(parents=True)
+    (old_lib / "node.mpy").write_bytes(b"an old library's bytecode")
+    monkeypatch.setenv("IGGY_TEST_MQTT_PW", "board-password-0123456789")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    staged = prepare(
+        source_root(),
+        "env_sensor",
+        staging,
+        device_id="env-frozen",
+        wifi_ssid="lab",
+        wifi_password="wifi-secret",
+        broker="127.0.0.1",
+        broker_port=broker.port,
+        mqtt_password_env="IGGY_TEST_MQTT_PW",
+        mpy=True,
+    )
+    assert any(p.startswith("lib/iggy_device/") for p in staged.files)  # what a plain board gets
+    fake = FlashBoard(flash, firmware)
+    monkeypatch.setattr(provision_plan, "run_mpremote", fake)
+    said: list[str] = []
+    copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging, echo=lambda m, nl=True: said.append(m))
+    assert any("iggy_device 0.1.0 is frozen into the firmware: not copied" in m for m in said), said
+    copied_to = [c[-1] for c in fake.calls if c[:2] == ("fs", "cp")]
+    assert copied_to  # the example and its config
+    assert ":lib/iggy_device/" not in copied_to
+    assert ("mip", "install", "umqtt.simple") not in fake.calls  # frozen in too
+    assert not list(old_lib.glob("*.*py"))  # the old copy went
+    (verified,) = [c for c in fake.calls if c[:2] == ("fs", "sha256sum")]
+    assert not [p for p in verified[2:] if p.startswith(":lib/")]
+    cfg = json.loads(flash.text("config.json"))
+    cfg.update(cycles=3, period_ms=0, receipts=False)
+    flash.path("config.json").write_text(json.dumps(cfg))
+    board = Board(flash, firmware=firmware).start()
+    assert board.wait(60) == 0, board.console()[-3000:]
     assert board.done()["sent"] >= 3
 
 

@@ -256,18 +256,24 @@ class Board:
 
 
 def run_script(
-    code: str, flash: Flash, heapsize: str | None = SOURCE_HEAP, timeout: float = 60
+    code: str,
+    flash: Flash,
+    heapsize: str | None = SOURCE_HEAP,
+    timeout: float = 60,
+    firmware: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a snippet under the Unix port in ``flash``; stdout+stderr text."""
+    """Run a snippet under the Unix port in ``flash``; stdout+stderr text.
+    ``firmware``: as Board's (a build with the library frozen in)."""
     flash.root.mkdir(parents=True, exist_ok=True)
     (flash.root / "_snippet.py").write_text(code)
-    argv = [require_micropython()]
+    argv = [firmware or require_micropython()]
     if heapsize:
         argv += ["-X", f"heapsize={heapsize}"]
+    path = micropypath(root=flash.root) if firmware else micropypath(flash.lib)
     return subprocess.run(
         [*argv, "_snippet.py"],
         cwd=flash.root,
-        env={**os.environ, "MICROPYPATH": micropypath(flash.lib)},
+        env={**os.environ, "MICROPYPATH": path},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -12,6 +12,9 @@ from .layout import CLEAR_SLOTS, SLOT, app_name
 from .sources import LIBRARY_PACKAGE
 
 # what the board runs to say what it is (also the first step of provisioning)
+# (and whether the firmware has the library frozen in: looked up in the
+# firmware alone, '.frozen' on sys.path, which MicroPython 1.21+ searches
+# before /lib, so a copy there would never be imported)
 PROBE = (
     "import sys, json\n"
     "try:\n"
@@ -19,9 +22,17 @@ PROBE = (
     "    u = 1\n"
     "except ImportError:\n"
     "    u = 0\n"
+    "p = sys.path[:]\n"
+    "sys.path[:] = ['.frozen']\n"
+    "try:\n"
+    f"    import {LIBRARY_PACKAGE}\n"
+    f"    f = {LIBRARY_PACKAGE}.VERSION\n"
+    "except (ImportError, AttributeError):\n"
+    "    f = None\n"
+    "sys.path[:] = p\n"
     "print('IGGY-PROBE', json.dumps({'impl': sys.implementation.name, 'platform': sys.platform, "
     "'version': list(sys.implementation.version[:3]), 'mpy': getattr(sys.implementation, '_mpy', 0), "
-    "'umqtt': u}))\n"
+    "'umqtt': u, 'frozen': f}))\n"
 )
 
 
@@ -34,6 +45,7 @@ class Probe:
     version: tuple[int, ...]
     mpy: int  # sys.implementation._mpy: .mpy version | feature flags << 8
     umqtt: bool
+    frozen: str | None = None  # the version of the library frozen into the firmware, if any
 
     @property
     def mpy_version(self) -> int:
@@ -50,6 +62,7 @@ def parse_probe(output: str) -> Probe | None:
                 version=tuple(int(x) for x in doc["version"]),
                 mpy=int(doc["mpy"]),
                 umqtt=bool(doc["umqtt"]),
+                frozen=None if doc.get("frozen") is None else str(doc["frozen"])[:40],
             )
     return None
 

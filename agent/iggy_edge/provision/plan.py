@@ -150,6 +150,22 @@ def probe_board(mpremote: str, port: str) -> str | None:
         return None  # not back yet (booting, or a native-USB board re-enumerating)
 
 
+def _fit(plan: Plan, probe: board.Probe, say: Progress) -> Plan:
+    """The rest of the plan for the board the probe found (its first step,
+    the probe, is the same either way)."""
+    if probe.frozen is not None:
+        # MicroPython looks in the firmware before /lib: a copy would never
+        # be imported; the old one still goes (its flash comes back)
+        say(f" {LIBRARY_PACKAGE} {probe.frozen} is frozen into the firmware: not copied ...", nl=False)
+        lib = f"lib/{LIBRARY_PACKAGE}/"
+        files = {p: f for p, f in plan.files.items() if not p.startswith(lib)}
+        plan = build_plan(plan.port, files, plan.staging)
+    if probe.umqtt:
+        # frozen into the firmware (or installed before): no mip, no internet
+        plan.steps = [s for s in plan.steps if s.args[:1] != ("mip",)]
+    return plan
+
+
 def copy_to_board(
     mpremote: str, port: str, staged: Staged, staging: Path, *, echo: Progress | None = None
 ) -> None:
@@ -174,12 +190,10 @@ def copy_to_board(
                         f"the board on {port} does not report MicroPython: {output.strip()[-200:]}"
                     )
                 check_mpy(probe, files)
-                if probe.umqtt:
-                    # frozen into the firmware (or installed before): no mip, no internet
-                    plan.steps = [s for s in plan.steps if s.args[:1] != ("mip",)]
-                    n = len(plan.steps)
+                plan = _fit(plan, probe, say)
+                n = len(plan.steps)
             if step.args[:2] == ("fs", "sha256sum"):
-                verify(files, output)
+                verify(plan.files, output)
             if step.label == SAFE_RESET_LABEL:
                 # only here: after the last reset the example runs, and
                 # probing it would interrupt it (mpremote sends Ctrl-C)
