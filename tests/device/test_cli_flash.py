@@ -41,6 +41,7 @@ from tests.support.micropython import (
     require_micropython,
     run_script,
 )
+from tests.support.staging import stage_env_sensor
 
 ESP32_CHIP_ID = 0
 ESP32S3_CHIP_ID = 9
@@ -306,21 +307,8 @@ def test_provisioning_flow_on_a_used_board_then_it_runs(
     (old_lib / "node.py").write_text("raise ImportError('the old library ran')\n")
     if umqtt_on_board:
         shutil.copytree(MPLIB_DIR / "umqtt", flash.root / "lib" / "umqtt")  # as if frozen
-    monkeypatch.setenv("IGGY_TEST_MQTT_PW", "board-password-0123456789")
     staging = tmp_path / "staging"
-    staging.mkdir()
-    staged = prepare(
-        source_root(),
-        "env_sensor",
-        staging,
-        device_id="env-new",
-        wifi_ssid="lab",
-        wifi_password="wifi-secret",
-        broker="127.0.0.1",
-        broker_port=broker.port,
-        mqtt_password_env="IGGY_TEST_MQTT_PW",
-        mpy=True,
-    )
+    staged = stage_env_sensor(staging, monkeypatch, "env-new", broker.port, mpy=True)
     fake = FlashBoard(flash)
     monkeypatch.setattr(provision_plan, "run_mpremote", fake)
     copy_to_board("mpremote", "/dev/ttyUSB0", staged, staging)
@@ -355,21 +343,8 @@ def test_a_board_whose_firmware_has_the_library_frozen_in_gets_no_copy_and_loses
     old_lib = flash.root / "lib" / "iggy_device"
     old_lib.mkdir(parents=True)
     (old_lib / "node.mpy").write_bytes(b"an old library's bytecode")
-    monkeypatch.setenv("IGGY_TEST_MQTT_PW", "board-password-0123456789")
     staging = tmp_path / "staging"
-    staging.mkdir()
-    staged = prepare(
-        source_root(),
-        "env_sensor",
-        staging,
-        device_id="env-frozen",
-        wifi_ssid="lab",
-        wifi_password="wifi-secret",
-        broker="127.0.0.1",
-        broker_port=broker.port,
-        mqtt_password_env="IGGY_TEST_MQTT_PW",
-        mpy=True,
-    )
+    staged = stage_env_sensor(staging, monkeypatch, "env-frozen", broker.port, mpy=True)
     assert any(p.startswith("lib/iggy_device/") for p in staged.files)  # what a plain board gets
     fake = FlashBoard(flash, firmware)
     monkeypatch.setattr(provision_plan, "run_mpremote", fake)

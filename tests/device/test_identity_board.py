@@ -29,11 +29,12 @@ from typer.testing import CliRunner
 from tests.support.agent import make_settings, running_agent
 from tests.support.gateway_broker import AGENT_USER, GatewayBroker
 from tests.support.micropython import MPLIB_DIR, Board, Flash, require_micropython
+from tests.support.staging import MQTT_PASSWORD, stage_env_sensor
 from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.micropython
 
-PW = "board-password-0123456789"
+PW = MQTT_PASSWORD
 FAST = {"period_ms": 50, "backoff_base_ms": 100, "backoff_max_ms": 400, "wdt_ms": 0}
 
 
@@ -50,21 +51,7 @@ def provisioned(
     """What provisioning copies to the board, laid out as the board's flash
     (umqtt as `mip install umqtt.simple` puts it in /lib)."""
     require_micropython()
-    monkeypatch.setenv("IGGY_TEST_MQTT_PW", PW)
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    staged = prepare(
-        source_root(),
-        "env_sensor",
-        staging,
-        device_id=dev,
-        wifi_ssid="lab",
-        wifi_password="wifi-secret",
-        broker="127.0.0.1",
-        broker_port=port,
-        mqtt_password_env="IGGY_TEST_MQTT_PW",
-        **kw,  # type: ignore[arg-type]
-    )
+    staged = stage_env_sensor(tmp_path / "staging", monkeypatch, dev, port, **kw)
     flash = Flash(tmp_path / "flash")
     for board_path, src in staged.files.items():
         dst = flash.root / board_path
