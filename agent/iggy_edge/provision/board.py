@@ -25,9 +25,9 @@ PROBE = (
     "p = sys.path[:]\n"
     "sys.path[:] = ['.frozen']\n"
     "try:\n"
-    f"    import {LIBRARY_PACKAGE}\n"
-    f"    f = {LIBRARY_PACKAGE}.VERSION\n"
-    "except (ImportError, AttributeError):\n"
+    f"    import {LIBRARY_PACKAGE} as m\n"
+    "    f = getattr(m, 'VERSION', '?')\n"
+    "except Exception:\n"  # not in the firmware (or broken there): provisioning copies ours
     "    f = None\n"
     "sys.path[:] = p\n"
     "print('IGGY-PROBE', json.dumps({'impl': sys.implementation.name, 'platform': sys.platform, "
