@@ -230,7 +230,9 @@ async def test_an_idle_deliverer_asks_sqlite_nothing_and_a_stored_command_wakes_
             deliverer.wake()
             await async_wait_until(lambda: dev.ids() == [cmd.id], timeout=5, what="delivered")
             assert time.monotonic() - t0 < 0.5, "woken by the store, not by a timer"
-            assert states(settings) == {cmd.id: "delivered"}
+            # marked once the broker's PUBACK is back, just after the device has it
+            marked = {cmd.id: "delivered"}
+            await async_wait_until(lambda: states(settings) == marked, timeout=5, what="marked delivered")
         broker.stop()  # disconnected, it sweeps for expired commands every second: none while none wait
         await async_wait_until(lambda: deliverer.connected_since is None, timeout=10, what="disconnected")
         await asyncio.sleep(1.2)  # its first sweep looks once
