@@ -120,7 +120,12 @@ async def _fleet_through_broker_crashes(tmp_path: Path, *, receipts: bool) -> di
                 flash = Flash(tmp_path / d)
                 _install(flash, d, broker, receipts=receipts)
                 flash.install_library(mpy=True)  # as on a board, in an ESP32-sized heap
-                boards.append(Board(flash, heapsize=ESP32_HEAP).start())
+                boards.append(Board(flash, heapsize=ESP32_HEAP))
+            # started together once all are installed: started as each was
+            # installed (mpy-cross, seconds under load), the first could be
+            # done with its 300 readings before the crashes began
+            for b in boards:
+                b.start()
             await async_wait_until(
                 lambda: sum(len(v) for v in _uplink_seqs(iggy, parts).values()) >= 50,
                 30,
