@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -43,18 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.support import frozen  # noqa: E402
 from tests.support.broker import Broker  # noqa: E402
-from tests.support.micropython import Board, Flash, ReceiptResponder, require_micropython  # noqa: E402
+from tests.support.micropython import Board, Flash, ReceiptResponder, word_bytes  # noqa: E402
 from tests.support.ota_sender import slot_layout  # noqa: E402
-
-
-def word_bytes(firmware: str | None = None) -> int:
-    r = subprocess.run(
-        [firmware or require_micropython(), "-c", "import sys; print(sys.maxsize)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return 4 if int(r.stdout) < 2**32 else 8
 
 
 def runs(
@@ -138,7 +127,7 @@ def main() -> None:
                         "example": "env_sensor",
                         "library": "source" if args.source else "mpy",
                         "layout": args.layout,
-                        "firmware": "library frozen in" if firmware else "port, library on flash",
+                        **frozen.label(firmware),
                         "cycles": args.cycles,
                         "smallest_ok_k": hi,
                         "largest_failing_k": lo,

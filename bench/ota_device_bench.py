@@ -60,6 +60,7 @@ from tests.support.micropython import (  # noqa: E402
     board_config,
     mpy_cross,
     require_micropython,
+    word_bytes,
 )
 from tests.support.ota_sender import OtaSender, Supervisor, install_provisioned, sized_update  # noqa: E402
 
@@ -77,21 +78,12 @@ print("HEAP", r)
 """
 
 
-def word_bytes(firmware: str | None = None) -> int:
-    r = subprocess.run(
-        [firmware or require_micropython(), "-c", "import sys; print(sys.maxsize)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return 4 if int(r.stdout) < 2**32 else 8
-
-
 def code_heap(tmp: Path, firmware: str | None = None) -> dict[str, Any]:
     lib = tmp / "codeheap" / "lib"
-    for pkg, src_dir in (("iggy_device", DEVICE_DIR / "iggy_device"), ("umqtt", MPLIB_DIR / "umqtt")):
-        for src in src_dir.glob("*.py") if firmware is None else ():
-            mpy_cross(src, lib / pkg / (src.stem + ".mpy"))
+    if firmware is None:  # else the firmware has them
+        for pkg, src_dir in (("iggy_device", DEVICE_DIR / "iggy_device"), ("umqtt", MPLIB_DIR / "umqtt")):
+            for src in src_dir.glob("*.py"):
+                mpy_cross(src, lib / pkg / (src.stem + ".mpy"))
     for src in STUBS_DIR.glob("*.py"):
         mpy_cross(src, lib / (src.stem + ".mpy"))
     (tmp / "codeheap" / "h.py").write_text(_CODE_HEAP)
@@ -104,11 +96,12 @@ def code_heap(tmp: Path, firmware: str | None = None) -> dict[str, Any]:
         env={**os.environ, "MICROPYPATH": f"{lib}:.frozen" if firmware else str(lib)},
     ).stdout
     got: dict[str, int] = json.loads(out.split("HEAP ", 1)[1].replace("'", '"'))
-    return {"bench": "ota_code_heap", "bytes": got, "word_bytes": word_bytes(firmware), **_fw(firmware)}
-
-
-def _fw(firmware: str | None) -> dict[str, str]:
-    return {"firmware": "library frozen in" if firmware else "port, library on flash"}
+    return {
+        "bench": "ota_code_heap",
+        "bytes": got,
+        "word_bytes": word_bytes(firmware),
+        **frozen.label(firmware),
+    }
 
 
 class StracedBoard(Board):
@@ -288,7 +281,7 @@ def main() -> None:
                         "total_bytes": runs[0]["total_bytes"],
                         "flash_bytes_written": traced.get("flash_bytes_written"),
                         "word_bytes": word_bytes(firmware),
-                        **_fw(firmware),
+                        **frozen.label(firmware),
                         "load": [round(x, 2) for x in load],
                     }
                 ),
@@ -316,7 +309,7 @@ def main() -> None:
                             "smallest_ok_k": ok,
                             "largest_failing_k": failing,
                             "word_bytes": word_bytes(firmware),
-                            **_fw(firmware),
+                            **frozen.label(firmware),
                         }
                     ),
                     flush=True,
@@ -331,7 +324,7 @@ def main() -> None:
                             "smallest_ok_k": ok,
                             "largest_failing_k": failing,
                             "word_bytes": word_bytes(firmware),
-                            **_fw(firmware),
+                            **frozen.label(firmware),
                             "receipts_answered": responder.receipts,
                             "load": [round(x, 2) for x in os.getloadavg()],
                         }

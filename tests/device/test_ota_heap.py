@@ -15,7 +15,6 @@ updater."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,9 @@ from tests.support.micropython import (
     MqttLog,
     ReceiptResponder,
     board_config,
-    require_micropython,
     unique_device_id,
     wait_console,
+    word_bytes,
 )
 from tests.support.ota_sender import OtaSender, Supervisor, booted_versions, install_provisioned, sized_update
 
@@ -50,20 +49,10 @@ OTA_MIN_HEAP = {4: "68k", 8: "96k"}
 FROZEN_OTA_MIN_HEAP = "32k"
 
 
-def _word_bytes() -> int:
-    out = subprocess.run(
-        [require_micropython(), "-c", "import sys; print(sys.maxsize)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return 4 if int(out.stdout) < 2**32 else 8
-
-
 def test_env_sensor_keeps_publishing_while_an_update_is_applied_in_the_measured_heap(
     broker: Broker, tmp_path: Path
 ) -> None:
-    _update_while_publishing(broker, tmp_path, OTA_MIN_HEAP[_word_bytes()], None)
+    _update_while_publishing(broker, tmp_path, OTA_MIN_HEAP[word_bytes()], None)
 
 
 def test_with_the_library_frozen_in_an_update_runs_in_the_heap_the_board_needs_without_one(

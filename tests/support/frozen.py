@@ -101,3 +101,8 @@ def for_bench(wanted: bool) -> str | None:
     if why:
         raise SystemExit(f"--frozen: {why}")
     return frozen_firmware()
+
+
+def label(firmware: str | None) -> dict[str, str]:
+    """The benches' ``firmware`` key: which board a figure is for."""
+    return {"firmware": "library frozen in" if firmware else "port, library on flash"}

