@@ -220,6 +220,10 @@ async def test_a_broker_crash_before_autosave_gets_every_newest_config_back(tmp_
             print(
                 f"restore: 3 configs at a fresh subscriber {took:.2f}s after the agent could reach the broker"
             )
+            # 'delivered' is written when the broker's PUBACK is back, which
+            # can be just after the watcher has the message.
+            newest = {"dev-a": "a-2", "dev-b": "b-2", "dev-c": "c-1"}
+            await async_wait_until(lambda: all_delivered(settings, newest), 20, what="b-2 marked delivered")
         final = await retained_now(broker.port)
         assert sorted((d, cid) for d, cid, _ in final) == [
             ("dev-a", "a-2"),
