@@ -325,9 +325,15 @@ class IggyServer:
             proc.wait()
 
     def pause(self) -> None:
-        """SIGSTOP: connections stay open but nothing answers."""
+        """SIGSTOP: connections stay open but nothing answers.
+
+        Returns once every thread of the server is stopped: the signal is
+        only queued when kill(2) returns, and a thread running on the other
+        core can still answer a request sent at once (CI saw a send succeed
+        right after the signal)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGSTOP)
+            wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -584,3 +590,22 @@ async def busiest_peer(peers: list[str], window: float = 1.0) -> str:
         raise RuntimeError(f"no connection to any of {peers}")
     (_local, peer), _ = max(deltas.items(), key=lambda kv: kv[1])
     return peer
+
+
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Wait until every thread of `pid` is in the stopped state ('T' in
+    /proc/PID/task/TID/stat, after the command name's closing paren)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:  # the thread ended meanwhile
+                continue
+            states.append(stat[stat.rindex(")") + 2])
+        if all(s in "Tt" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"iggy-server {pid} not stopped {timeout}s after SIGSTOP: {states}")
+        time.sleep(0.005)
