@@ -158,6 +158,18 @@ def test_a_trailing_newline_is_refused_by_the_parser_and_the_credentials_check()
     assert parse_command(raw(command_doc(device="dev1")), now=1.7e9, default_ttl_s=60).device == "dev1"
 
 
+@pytest.mark.unit
+def test_a_command_from_near_year_9999_without_expiry_expires_at_the_last_time_allowed() -> None:
+    # Hypothesis found it: created_at allowed, created_at + the default TTL
+    # past MAX_TIME, so a command left the parser with a time it promises
+    # never to pass on (the fuzz test's check_usable).
+    doc = b'{"id": "y", "device": "dev-1", "name": "n", "created_at": 253402300000.0}'
+    cmd = parse_command(doc, now=1.7e9, default_ttl_s=3600)
+    assert (cmd.created_at, cmd.expires_at) == (253402300000.0, MAX_TIME)
+    cmd = parse_command(raw(command_doc(created_at=1.7e9)), now=1.7e9, default_ttl_s=3600)
+    assert cmd.expires_at == 1.7e9 + 3600
+
+
 # -- the inbox insert refusing one row (a parser gap) must not wedge the partition
 
 

@@ -25,7 +25,7 @@ Wire formats (JSON objects, UTF-8)::
     ack      {"id": str, "status": "ok" | "error" | "unknown_command" | "expired", ...}
 
 ``args``, ``created_at`` and ``expires_at`` may be left out (empty args; the
-time the agent read it; ``created_at + default_ttl_s``).  Anything else that
+time the agent read it; ``created_at + default_ttl_s``, at most `MAX_TIME`).  Anything else that
 does not fit is an `InvalidCommand`; the return poll dead-letters it with
 reason ``invalid_command``.  That includes a command or config whose payload
 for the device (``device_payload()``) is over `MAX_DEVICE_PAYLOAD_BYTES`:
@@ -292,7 +292,8 @@ def parse_command(payload: bytes, *, now: float, default_ttl_s: float) -> Comman
         raise InvalidCommand("'args' must be a JSON object")
     _check_value(args, "args")
     created = _time(doc, "created_at", now)
-    expires = _time(doc, "expires_at", created + default_ttl_s)
+    # a default past the last time the agent can print ends there
+    expires = _time(doc, "expires_at", min(created + default_ttl_s, MAX_TIME))
     return _fits(Command(cid, device, name, args, created, expires))
 
 
