@@ -292,8 +292,7 @@ def parse_command(payload: bytes, *, now: float, default_ttl_s: float) -> Comman
         raise InvalidCommand("'args' must be a JSON object")
     _check_value(args, "args")
     created = _time(doc, "created_at", now)
-    # a default past the last time the agent can print ends there
-    expires = _time(doc, "expires_at", min(created + default_ttl_s, MAX_TIME))
+    expires = _time(doc, "expires_at", min(created + default_ttl_s, MAX_TIME))  # a default ends there too
     return _fits(Command(cid, device, name, args, created, expires))
 
 
