@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import ctypes
 import itertools
 import os
@@ -75,6 +76,7 @@ from iggy_edge.uplink.protocol import UplinkError
 from pydantic import SecretStr
 
 from .ports import free_port
+from .wait import wait_until
 
 # Where IggyCluster.start checks that the cluster takes writes (never the
 # agent's stream).
@@ -592,20 +594,22 @@ async def busiest_peer(peers: list[str], window: float = 1.0) -> str:
     return peer
 
 
-def wait_stopped(pid: int, timeout: float = 5.0) -> None:
-    """Wait until every thread of `pid` is in the stopped state ('T' in
-    /proc/PID/task/TID/stat, after the command name's closing paren)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                stat = (task / "stat").read_text()
-            except FileNotFoundError:  # the thread ended meanwhile
-                continue
+def _thread_states(pid: int) -> list[str]:
+    """Each thread's state letter (/proc/PID/task/TID/stat, after the
+    command name's closing paren); a thread that ended meanwhile is left out."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            stat = (task / "stat").read_text()
             states.append(stat[stat.rindex(")") + 2])
-        if all(s in "Tt" for s in states):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"iggy-server {pid} not stopped {timeout}s after SIGSTOP: {states}")
-        time.sleep(0.005)
+    return states
+
+
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Wait until every thread of `pid` is stopped (state T)."""
+    wait_until(
+        lambda: all(s in "Tt" for s in _thread_states(pid)),
+        timeout,
+        interval=0.005,
+        what=f"iggy-server {pid} stopped by SIGSTOP",
+    )
